@@ -1,0 +1,185 @@
+"""The exception tree of celery_lease.
+
+::
+
+    LeaseError                  one root: ``except LeaseError`` catches everything below
+    ├── LeaseBusyError          the resource is held by a live lease of another owner
+    ├── LeaseLostError          this owner no longer holds the lease (expired, taken over,
+    │                           force-released, renewal failed past the self-fence deadline)
+    ├── StaleFenceError         a side effect saw a fence older than the newest it accepted
+    ├── LeaseStoreError         the store could not be reached or answered with an error;
+    │                           the outcome of the operation is unknown
+    └── LeaseConfigError        bad input or settings: the message names the value and the fix
+
+Every error keeps its whole state in ``args`` (the message first, then plain JSON-friendly
+values), so it survives pickling and ``cls(*exc.args)``, which is how Celery rebuilds an
+exception read back from a result backend. Messages never contain an owner token or a DSN
+password.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "LeaseBusyError",
+    "LeaseConfigError",
+    "LeaseError",
+    "LeaseLostError",
+    "LeaseStoreError",
+    "StaleFenceError",
+]
+
+
+class LeaseError(Exception):
+    """Root of every error raised by celery_lease. ``args[0]`` is the full message."""
+
+    def __init__(self, message: str = "", *details: Any) -> None:
+        super().__init__(message, *details)
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class LeaseConfigError(LeaseError, ValueError):
+    """Bad input or settings. The message names the bad value, the rule and the fix."""
+
+
+class LeaseStoreError(LeaseError):
+    """The lease store failed or could not be reached; the operation's outcome is unknown.
+
+    A renewal that ends in this error is *uncertain*, not lost: the owner keeps retrying until
+    its self-fence deadline and then treats the lease as lost.
+    """
+
+
+class LeaseBusyError(LeaseError):
+    """The resource is held by another owner's live lease.
+
+    Attributes:
+        resource: the contested resource.
+        holder_label: the holder's human label (host, pid, task id), never its token.
+        fence: the holder's fence.
+        expires_in: seconds until the holder's lease expires unless renewed (store clock).
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        resource: str | None = None,
+        holder_label: str | None = None,
+        fence: int | None = None,
+        expires_in: float | None = None,
+    ) -> None:
+        super().__init__(message, resource, holder_label, fence, expires_in)
+        self.resource = resource
+        self.holder_label = holder_label
+        self.fence = fence
+        self.expires_in = expires_in
+
+    @classmethod
+    def held(
+        cls, resource: str, holder_label: str | None, fence: int | None, expires_in: float | None
+    ) -> LeaseBusyError:
+        """Build the error with a message that names the holder and when it expires."""
+        if holder_label is None:
+            detail = "by an owner that is not visible yet (a claim racing this one)"
+        else:
+            when = "unknown" if expires_in is None else f"{max(expires_in, 0.0):.3f}s"
+            detail = f"by {holder_label!r} with fence {fence}, expiring in {when} unless renewed"
+        return cls(
+            f"resource {resource!r} is held {detail}; retry later or raise the lease wait budget",
+            resource,
+            holder_label,
+            fence,
+            expires_in,
+        )
+
+
+class LeaseLostError(LeaseError):
+    """This owner no longer holds the lease; it must stop acting on the resource.
+
+    Attributes:
+        resource: the resource whose lease was lost.
+        fence: the fence this owner held.
+        holder_label: who holds the resource now, when known.
+        reason: a short machine-readable cause (``expired``, ``taken_over``, ``released``,
+            ``self_fenced``, ``max_runtime``, ``renew_failed``, ``store_reset``).
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        resource: str | None = None,
+        fence: int | None = None,
+        holder_label: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(message, resource, fence, holder_label, reason)
+        self.resource = resource
+        self.fence = fence
+        self.holder_label = holder_label
+        self.reason = reason
+
+    @classmethod
+    def lost(
+        cls,
+        resource: str,
+        fence: int,
+        reason: str,
+        holder_label: str | None = None,
+        holder_fence: int | None = None,
+    ) -> LeaseLostError:
+        """Build the error with a message naming the resource, our fence and the holder."""
+        if holder_label is not None:
+            now = f"; now held by {holder_label!r}"
+            if holder_fence is not None:
+                now += f" with fence {holder_fence}"
+        else:
+            now = "; no live holder now"
+        return cls(
+            f"lease on {resource!r} with fence {fence} is lost ({reason}){now}; "
+            "stop acting on the resource",
+            resource,
+            fence,
+            holder_label,
+            reason,
+        )
+
+
+class StaleFenceError(LeaseError):
+    """A fenced side effect rejected a fence older than the newest one it accepted.
+
+    Attributes:
+        key: the fenced key (resource, row, gateway key).
+        fence: the rejected fence.
+        highest: the newest fence the side effect had accepted, when known.
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        key: str | None = None,
+        fence: int | None = None,
+        highest: int | None = None,
+    ) -> None:
+        super().__init__(message, key, fence, highest)
+        self.key = key
+        self.fence = fence
+        self.highest = highest
+
+    @classmethod
+    def rejected(cls, key: str, fence: int, highest: int | None) -> StaleFenceError:
+        """Build the error with a message naming the key and both fences."""
+        newer = "a newer fence" if highest is None else f"fence {highest}"
+        return cls(
+            f"stale fence {fence} rejected for {key!r}: it already accepted {newer}; "
+            "a newer owner holds the lease, stop acting",
+            key,
+            fence,
+            highest,
+        )

@@ -1,0 +1,229 @@
+"""The lease value and handle: who owns a resource, with which fence, until when.
+
+A :class:`Lease` is what a store's ``acquire`` returns and what a task sees through
+``current_lease()``. Its fence is the number side effects compare; its ``check()`` is local and
+cheap (the owner's own monotonic self-fence deadline), its ``guard()`` costs one store round trip
+and proves the lease is still live right before an irreversible effect.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from ._errors import LeaseConfigError, LeaseLostError
+from ._names import clean_label, show_value
+
+if TYPE_CHECKING:
+    from .stores.base import LeaseStore
+
+__all__ = ["DEFAULT_MARGIN_FRACTION", "Lease", "LeaseInfo", "Owner", "from_micros"]
+
+#: The owner stops acting once ``ttl * (1 - DEFAULT_MARGIN_FRACTION)`` has passed since the last
+#: successful claim or renewal was sent, unless a margin is set explicitly.
+DEFAULT_MARGIN_FRACTION = 0.25
+_HEX = frozenset("0123456789abcdef")
+
+
+def from_micros(micros: int) -> datetime:
+    """Convert store-clock microseconds since the epoch to an aware UTC datetime."""
+    seconds, rest = divmod(int(micros), 1_000_000)
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).replace(microsecond=rest)
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who claims a lease: a secret random token plus a human label.
+
+    The token (128 random bits, hex) decides ownership; the label (host, pid, task id) is for
+    people and is what messages, logs and events show. The token never appears in full there.
+    """
+
+    token: str
+    label: str
+
+    def __post_init__(self) -> None:
+        if not (32 <= len(self.token) <= 64 and set(self.token) <= _HEX):
+            raise LeaseConfigError(
+                f"owner token {show_value(self.token[:8] + '...')} is not 32..64 lowercase hex "
+                "characters; use Owner.new() to make one"
+            )
+        object.__setattr__(self, "label", clean_label(self.label))
+
+    @classmethod
+    def new(cls, label: str | None = None) -> Owner:
+        """Make an owner with a fresh 128-bit token; the label defaults to ``host:pid``."""
+        if label is None:
+            label = f"{socket.gethostname()}:{os.getpid()}"
+        return cls(secrets.token_hex(16), label)
+
+    @property
+    def short(self) -> str:
+        """The first 6 token characters: enough to tell owners apart in a debug log."""
+        return self.token[:6]
+
+    def __repr__(self) -> str:
+        return f"Owner(label={self.label!r}, token={self.short}...)"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """What a store knows about a resource's lease, as read by ``get`` and ``list``.
+
+    Times come from the store clock. ``expires_in`` is negative for an expired lease that was
+    never released. The owner token is not part of it.
+    """
+
+    resource: str
+    owner_label: str
+    fence: int
+    acquired_at: datetime
+    expires_at: datetime
+    expires_in: float
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_in <= 0
+
+
+class Lease:
+    """A claimed lease and the owner's handle on it.
+
+    Attributes:
+        resource: the leased resource name.
+        owner: the :class:`Owner` that holds it (``owner_label`` is its printable label).
+        fence: the fencing token, strictly greater than any fence issued for this resource
+            before; pass it to every fenced side effect.
+        acquired_at: when the claim happened, store clock, aware UTC.
+        expires_at: when the lease expires unless renewed, store clock, aware UTC; updated on
+            every successful renewal.
+        ttl: the time to live of the last claim or renewal, seconds.
+        margin: seconds before ``ttl`` runs out at which the owner stops acting on its own
+            (self-fence); defaults to a quarter of the current ``ttl``.
+        previous_owner_label, previous_fence: set when this claim took over an expired lease
+            that its owner never released.
+    """
+
+    def __init__(
+        self,
+        *,
+        resource: str,
+        owner: Owner,
+        fence: int,
+        acquired_at: datetime,
+        expires_at: datetime,
+        ttl: float,
+        sent_monotonic: float,
+        store: LeaseStore | None = None,
+        previous_owner_label: str | None = None,
+        previous_fence: int | None = None,
+        margin: float | None = None,
+    ) -> None:
+        self.resource = resource
+        self.owner = owner
+        self.fence = fence
+        self.acquired_at = acquired_at
+        self.expires_at = expires_at
+        self.ttl = ttl
+        self._margin = margin
+        self.previous_owner_label = previous_owner_label
+        self.previous_fence = previous_fence
+        self.store = store
+        # Monotonic time at which the last successful claim/renewal was *sent*: the lease was
+        # certainly live from then on for ttl seconds of store time, so we may act until
+        # sent + ttl - margin on our own clock whatever the reply latency was.
+        self._sent_monotonic = sent_monotonic
+        self._lost: LeaseLostError | None = None
+        self._lock = threading.Lock()
+        #: Free-form per-lease state for the layers above the store (task, identity, ...).
+        self.extra: dict[str, Any] = {}
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def owner_label(self) -> str:
+        return self.owner.label
+
+    @property
+    def recovered(self) -> bool:
+        """True when this claim took over an expired lease whose owner never released it."""
+        return self.previous_fence is not None
+
+    # -- self-fencing -----------------------------------------------------------------------
+    @property
+    def margin(self) -> float:
+        """Seconds before ``ttl`` runs out at which the owner stops acting (self-fence)."""
+        return self.ttl * DEFAULT_MARGIN_FRACTION if self._margin is None else self._margin
+
+    @margin.setter
+    def margin(self, value: float | None) -> None:
+        self._margin = value
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic time after which this owner must stop acting unless it renewed."""
+        return self._sent_monotonic + self.ttl - self.margin
+
+    def remaining(self) -> float:
+        """Seconds left before the self-fence deadline (negative once it has passed)."""
+        return self.deadline - time.monotonic()
+
+    @property
+    def lost(self) -> LeaseLostError | None:
+        """The error recorded when the lease was found lost, else None."""
+        return self._lost
+
+    def mark_lost(self, error: LeaseLostError) -> LeaseLostError:
+        """Record that the lease is lost; the first recorded cause wins. Returns it."""
+        with self._lock:
+            if self._lost is None:
+                self._lost = error
+            return self._lost
+
+    def check(self) -> None:
+        """Raise LeaseLostError if the lease is known lost or the self-fence deadline passed.
+
+        Local and cheap: no store round trip. Call it often in long loops.
+        """
+        if self._lost is not None:
+            raise self._lost
+        if time.monotonic() >= self.deadline:
+            raise self.mark_lost(LeaseLostError.lost(self.resource, self.fence, "self_fenced"))
+
+    def guard(self) -> None:
+        """Prove with one store round trip that this owner and fence still hold a live lease.
+
+        Call it right before an irreversible effect. A side effect that checks the fence itself
+        (a FenceGate, a fenced write) is still required for safety: a pause right after
+        ``guard()`` returns can outlast the lease.
+
+        Raises:
+            LeaseLostError: the lease is lost (and is marked so).
+            LeaseStoreError: the store could not answer; the lease state is unknown.
+        """
+        self.check()
+        if self.store is None:
+            raise LeaseConfigError("this lease has no store attached, so guard() cannot run")
+        try:
+            self.store.verify(self)
+        except LeaseLostError as exc:
+            raise self.mark_lost(exc) from None
+
+    def renewed(self, sent_monotonic: float, expires_at: datetime, ttl: float) -> None:
+        """Record a successful renewal (called by stores)."""
+        with self._lock:
+            self._sent_monotonic = max(self._sent_monotonic, sent_monotonic)
+            self.expires_at = expires_at
+            self.ttl = ttl
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost is not None else "held"
+        return (
+            f"<Lease {self.resource!r} fence={self.fence} owner={self.owner.label!r} "
+            f"expires_at={self.expires_at.isoformat()} {state}>"
+        )

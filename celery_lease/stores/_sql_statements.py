@@ -1,0 +1,138 @@
+"""The SQL statements of the SQL lease store, per dialect.
+
+Table ``leases``: one row per resource ever claimed. A released lease keeps its row (owner_token
+and expires_us NULL) so the fence sequence survives; ``fence`` only ever grows. Times are
+microseconds since the epoch on the database clock. Every statement takes bound parameters
+only; the table name is quoted by SQLAlchemy's dialect before it is put in.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+__all__ = ["Statements"]
+
+_NOW = {
+    "postgresql": "(extract(epoch from clock_timestamp()) * 1000000)::bigint",
+    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)",
+}
+
+
+class Statements:
+    """SQL text for one dialect and table, built once per store."""
+
+    def __init__(self, dialect: str, table: str, paramstyle: str) -> None:
+        self.dialect = dialect
+        self.table = table
+        now = _NOW[dialect]
+        self.now = now
+
+        def p(name: str) -> str:
+            return f"%({name})s" if paramstyle == "pyformat" else f":{name}"
+
+        self._p = p
+        t = table
+        # The claim: insert, or take over a released or expired row, bumping the fence. The
+        # previous owner is recorded in the same row (prev_*) when the row was never released.
+        upsert = f"""
+            INSERT INTO {t} AS l
+                (resource, owner_token, owner_label, fence, acquired_us, expires_us)
+            {{source}}
+            ON CONFLICT (resource) DO UPDATE SET
+                owner_token = excluded.owner_token,
+                owner_label = excluded.owner_label,
+                fence = l.fence + 1,
+                acquired_us = excluded.acquired_us,
+                expires_us = excluded.expires_us,
+                prev_label = CASE WHEN l.owner_token IS NULL THEN NULL ELSE l.owner_label END,
+                prev_fence = CASE WHEN l.owner_token IS NULL THEN NULL ELSE l.fence END
+            WHERE l.owner_token IS NULL OR l.expires_us <= excluded.acquired_us
+            RETURNING fence, acquired_us, expires_us, prev_label, prev_fence"""
+        if dialect == "postgresql":
+            # One statement answers both ways: the claim, or (when held) who holds it.
+            claim = upsert.format(
+                source=f"SELECT {p('r')}, {p('t')}, {p('l')}, 1, clk.us, clk.us + {p('ttl')} "
+                "FROM clk"
+            )
+            self.acquire = f"""
+                WITH clk AS (SELECT {now} AS us),
+                claim AS ({claim})
+                SELECT 1, fence, acquired_us, expires_us, prev_label, prev_fence,
+                       NULL::varchar, (SELECT us FROM clk) FROM claim
+                UNION ALL
+                SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token,
+                       (SELECT us FROM clk)
+                FROM {t} WHERE resource = {p("r")} AND NOT EXISTS (SELECT 1 FROM claim)"""
+        else:
+            self.acquire = upsert.format(
+                source=f"SELECT {p('r')}, {p('t')}, {p('l')}, 1, n.us, n.us + {p('ttl')} "
+                f"FROM (SELECT {now} AS us) AS n WHERE true"
+            )
+            self.holder = f"""
+                SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token, {now}
+                FROM {t} WHERE resource = {p("r")}"""
+        self.renew_one = f"""
+            UPDATE {t} SET expires_us = {now} + {p("ttl")}
+            WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+              AND expires_us > {now}
+            RETURNING expires_us"""
+        self.state = f"""
+            SELECT owner_token, owner_label, fence, expires_us, {now}
+            FROM {t} WHERE resource = {p("r")}"""
+        self.release = f"""
+            UPDATE {t} SET owner_token = NULL, expires_us = NULL, prev_label = NULL,
+                prev_fence = NULL
+            WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}"""
+        self.get = f"""
+            SELECT owner_label, fence, acquired_us, expires_us, {now}
+            FROM {t} WHERE resource = {p("r")} AND owner_token IS NOT NULL"""
+        self.list = f"""
+            SELECT resource, owner_label, fence, acquired_us, expires_us, n.us
+            FROM {t}, (SELECT {now} AS us) AS n
+            WHERE owner_token IS NOT NULL
+              AND resource LIKE {p("pattern")} ESCAPE '!'
+              AND (expires_us > {p("after_e")}
+                   OR (expires_us = {p("after_e")} AND resource > {p("after_r")}))
+              AND ({p("expired")} = 0 OR expires_us <= n.us)
+            ORDER BY expires_us, resource
+            LIMIT {p("n")}"""
+        if dialect == "postgresql":
+            # Old values come back through the locked sub-select joined to the update.
+            self.force_release = f"""
+                UPDATE {t} AS l SET owner_token = NULL, expires_us = NULL, fence = l.fence + 1,
+                    prev_label = NULL, prev_fence = NULL
+                FROM (SELECT resource, owner_token, owner_label, fence, acquired_us, expires_us
+                      FROM {t} WHERE resource = {p("r")} FOR UPDATE) AS old
+                WHERE l.resource = old.resource
+                RETURNING CASE WHEN old.owner_token IS NULL THEN NULL ELSE old.owner_label END,
+                    old.fence, old.acquired_us, old.expires_us, {now}"""
+        else:
+            self.force_release = f"""
+                UPDATE {t} SET owner_token = NULL, expires_us = NULL, fence = fence + 1,
+                    prev_label = NULL, prev_fence = NULL
+                WHERE resource = {p("r")}"""
+
+    @lru_cache(maxsize=64)  # noqa: B019 - one Statements per store, a handful of batch sizes
+    def renew_many(self, count: int) -> str:
+        """PostgreSQL: renew ``count`` leases in one statement and report every one's state.
+
+        Parameters, per lease: its index, resource, owner token, fence, ttl (us). Rows: index,
+        new expires_us (NULL when not renewed), then the row's owner_token, owner_label, fence,
+        expires_us and the clock as they were before the update.
+        """
+        t = self.table
+        values = ", ".join(["(%s::int, %s, %s, %s::bigint, %s::bigint)"] * count)
+        return f"""
+            WITH clk AS (SELECT {self.now} AS us),
+            req (i, resource, token, fence, ttl) AS (VALUES {values}),
+            upd AS (
+                UPDATE {t} AS l SET expires_us = clk.us + req.ttl
+                FROM req, clk
+                WHERE l.resource = req.resource AND l.owner_token = req.token
+                  AND l.fence = req.fence AND l.expires_us > clk.us
+                RETURNING req.i, l.expires_us)
+            SELECT req.i, upd.expires_us, l.owner_token, l.owner_label, l.fence,
+                   l.expires_us, clk.us
+            FROM req CROSS JOIN clk
+            LEFT JOIN upd ON upd.i = req.i
+            LEFT JOIN {t} AS l ON l.resource = req.resource"""

@@ -1,0 +1,261 @@
+"""The lease store contract.
+
+A store is dumb and atomic: each operation below is one atomic step in the store (one Lua script,
+one SQL statement or one immediate transaction), costs one round trip, and reads time from the
+store's own clock. Policy (retries, backoff, renewal cadence) lives above the stores.
+
+Invariants every store keeps, asserted by ``tests/stores`` against each of them:
+
+1. At most one live lease per resource at any instant of the store clock.
+2. Every fence is strictly greater than every fence issued for that resource before; release,
+   expiry, force-release and store restarts never reset the sequence.
+3. Only the owner token *and* fence of the live lease can renew or verify it; only that pair can
+   release it. Anything else changes nothing in the store.
+4. An expired lease is claimable; the claim reports the expired owner's label and fence.
+5. Driver errors surface as ``LeaseStoreError`` (outcome unknown), never as driver exceptions.
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from .._errors import LeaseConfigError, LeaseLostError
+from .._lease import Lease, LeaseInfo, Owner
+from .._names import show_value, validate_resource, validate_ttl
+
+__all__ = [
+    "DEFAULT_MAX_TTL",
+    "BaseLeaseStore",
+    "LeasePage",
+    "LeaseStore",
+    "decode_cursor",
+    "encode_cursor",
+]
+
+#: Upper bound on a single claim's or renewal's ttl unless a store is given another ``max_ttl``.
+#: Long tasks keep short leases alive by renewing; a huge ttl only makes crash recovery slow.
+DEFAULT_MAX_TTL = 600.0
+MAX_LIST_LIMIT = 10_000
+
+
+class LeasePage(NamedTuple):
+    """One page of ``list()``: the leases and the cursor for the next page (None at the end)."""
+
+    leases: list[LeaseInfo]
+    cursor: str | None
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """Where leases and fences live. See the module docstring for the invariants."""
+
+    #: The store's URL with any password masked; safe to log.
+    url: str
+    #: The largest ttl accepted by ``acquire`` and ``renew``.
+    max_ttl: float
+
+    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+        """Claim ``resource`` for ``owner`` for ``ttl`` seconds of store time, atomically.
+
+        Succeeds when the resource has no lease, a released one or an expired one. The returned
+        fence is greater than any fence issued for this resource before. When the claim takes
+        over an expired lease that was never released, ``previous_owner_label`` and
+        ``previous_fence`` name that owner.
+
+        Raises:
+            LeaseBusyError: another owner's lease is live; names holder, fence and expiry.
+            LeaseConfigError: bad resource name or ttl.
+            LeaseStoreError: the store failed; the claim may or may not have happened.
+        """
+        ...
+
+    def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
+        """Reset the lease's expiry to store-now + ``ttl`` (default: its current ttl).
+
+        Only the owner token and fence of the live lease can renew; an expired lease cannot be
+        renewed even if nobody took it over (its owner has already self-fenced). On success the
+        given lease is updated in place and returned.
+
+        Raises:
+            LeaseLostError: the lease expired, was released or taken over; nothing changed.
+            LeaseStoreError: the store failed; the lease state is unknown.
+        """
+        ...
+
+    def renew_many(
+        self, leases: Sequence[Lease], ttl: float | None = None
+    ) -> list[LeaseLostError | None]:
+        """Renew every lease in one round trip, as ``renew`` would one by one.
+
+        Returns a list aligned with ``leases``: None where the lease was renewed (and updated in
+        place), the LeaseLostError where it was not.
+
+        Raises:
+            LeaseStoreError: the store failed; every lease's state is unknown.
+        """
+        ...
+
+    def release(self, lease: Lease) -> bool:
+        """Release the lease if this owner token and fence still hold it.
+
+        Returns True when it was released, False when it was not ours any more (expired and
+        taken over, force-released, already released): then nothing changes, so a release
+        retried after a takeover never frees the new owner's lease. The fence sequence is kept.
+        """
+        ...
+
+    def verify(self, lease: Lease) -> None:
+        """Prove the owner token and fence hold a live lease right now (store clock).
+
+        Raises:
+            LeaseLostError: they do not; nothing changed.
+            LeaseStoreError: the store failed; the lease state is unknown.
+        """
+        ...
+
+    def get(self, resource: str) -> LeaseInfo | None:
+        """Read the resource's lease (live, or expired and never released), or None."""
+        ...
+
+    def list(
+        self,
+        *,
+        prefix: str = "",
+        expired_only: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> LeasePage:
+        """List leases (live, or expired and never released) by expiry, oldest first.
+
+        ``expired_only`` returns only leases whose expiry passed on the store clock, found
+        through an expiry index (cost proportional to the result, never a keyspace scan).
+        Pass the returned cursor back to read the next page.
+        """
+        ...
+
+    def force_release(self, resource: str) -> LeaseInfo | None:
+        """Administrator's eviction: drop the resource's lease whoever holds it.
+
+        Bumps the fence, so that a fenced side effect rejects every write of the evicted holder
+        once anyone claims the resource again (and a ``FenceGate`` admitting the new fence).
+        Returns what was evicted, or None when there was no lease.
+        """
+        ...
+
+    def check_health(self) -> builtins.list[str]:
+        """Check the store's configuration; return warnings (empty when all is well).
+
+        Raises:
+            LeaseStoreError: the store is unreachable, or refuses to run by its settings.
+        """
+        ...
+
+    def reset_after_fork(self) -> None:
+        """Drop connections inherited from a parent process (called in each forked child)."""
+        ...
+
+    def close(self) -> None:
+        """Close what the store created (never a client or engine passed in by the user)."""
+        ...
+
+
+class BaseLeaseStore:
+    """Argument checks and bookkeeping shared by the stores (not part of the protocol)."""
+
+    url: str
+    max_ttl: float
+
+    def __init__(self, *, max_ttl: float = DEFAULT_MAX_TTL) -> None:
+        self.max_ttl = validate_ttl(max_ttl, 365 * 86400.0, name="max_ttl")
+
+    # The checks run before any I/O so bad input never reaches a store.
+    def _claim_args(self, resource: str, owner: Owner, ttl: float) -> float:
+        validate_resource(resource)
+        if not isinstance(owner, Owner):
+            raise LeaseConfigError(
+                f"owner must be an Owner (use Owner.new(label)), got {show_value(owner)}"
+            )
+        return validate_ttl(ttl, self.max_ttl)
+
+    def _renew_ttl(self, lease: Lease, ttl: float | None) -> float:
+        if not isinstance(lease, Lease):
+            raise LeaseConfigError(f"expected a Lease from acquire(), got {show_value(lease)}")
+        return validate_ttl(lease.ttl if ttl is None else ttl, self.max_ttl)
+
+    @staticmethod
+    def _list_args(prefix: str, limit: int) -> int:
+        if not isinstance(prefix, str) or (prefix and not _prefix_ok(prefix)):
+            raise LeaseConfigError(
+                f"list prefix {show_value(prefix)} must be empty or the start of a valid "
+                "resource name"
+            )
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= MAX_LIST_LIMIT:
+            raise LeaseConfigError(f"list limit must be 1..{MAX_LIST_LIMIT}, got {limit!r}")
+        return limit
+
+    @staticmethod
+    def _lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
+        return lease.mark_lost(
+            LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence)
+        )
+
+    def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
+        result = self.renew_many([lease], ttl)[0]
+        if result is not None:
+            raise result
+        return lease
+
+    def reset_after_fork(self) -> None:
+        """Most drivers notice a fork themselves; stores that do not override this."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+    def __enter__(self) -> BaseLeaseStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def renew_many(
+        self, leases: Sequence[Lease], ttl: float | None = None
+    ) -> list[LeaseLostError | None]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def encode_cursor(expires_us: int, resource: str) -> str:
+    """Make the opaque ``list()`` cursor that resumes after (expiry, resource)."""
+    return f"{int(expires_us)}|{resource}"
+
+
+def decode_cursor(cursor: str | None) -> tuple[int, str] | None:
+    """Parse a cursor made by :func:`encode_cursor`; None means start at the beginning."""
+    if cursor is None:
+        return None
+    try:
+        micros, resource = cursor.split("|", 1)
+        return int(micros), validate_resource(resource)
+    except (AttributeError, ValueError, LeaseConfigError):
+        raise LeaseConfigError(
+            f"list cursor {show_value(cursor)} is not one returned by list(); pass None to "
+            "start from the beginning"
+        ) from None
+
+
+def _prefix_ok(prefix: str) -> bool:
+    try:
+        validate_resource(prefix)
+    except LeaseConfigError:
+        return False
+    return True
+
+
+def monotonic() -> float:
+    """The clock whose readings mark when a claim or renewal was sent."""
+    return time.monotonic()

@@ -1,0 +1,192 @@
+"""An in-process lease store for users' unit tests.
+
+Thread-safe and with an injectable clock, so tests can move time without sleeping. It keeps the
+same contract as the Redis and SQL stores (the contract suite runs against it too) but shares
+nothing between processes: never use it for real exclusion.
+"""
+
+from __future__ import annotations
+
+import bisect
+import builtins
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .._errors import LeaseBusyError, LeaseLostError
+from .._lease import Lease, LeaseInfo, Owner, from_micros
+from .._names import validate_resource
+from .base import (
+    DEFAULT_MAX_TTL,
+    BaseLeaseStore,
+    LeasePage,
+    decode_cursor,
+    encode_cursor,
+    monotonic,
+)
+
+__all__ = ["MemoryLeaseStore"]
+
+
+@dataclass(slots=True)
+class _Record:
+    token: str
+    label: str
+    fence: int
+    acquired_us: int
+    expires_us: int
+
+    def info(self, resource: str, now_us: int) -> LeaseInfo:
+        return LeaseInfo(
+            resource=resource,
+            owner_label=self.label,
+            fence=self.fence,
+            acquired_at=from_micros(self.acquired_us),
+            expires_at=from_micros(self.expires_us),
+            expires_in=(self.expires_us - now_us) / 1e6,
+        )
+
+
+class MemoryLeaseStore(BaseLeaseStore):
+    """Leases in a dict, guarded by a lock, timed by ``clock`` (epoch seconds).
+
+    Args:
+        clock: returns the store's "now" in seconds since the epoch; defaults to
+            ``time.time``. Tests pass a controllable clock to expire leases without sleeping.
+        max_ttl: the largest ttl accepted.
+    """
+
+    def __init__(
+        self, *, clock: Callable[[], float] | None = None, max_ttl: float = DEFAULT_MAX_TTL
+    ) -> None:
+        super().__init__(max_ttl=max_ttl)
+        self.url = "memory://"
+        self._clock = clock or time.time
+        self._lock = threading.Lock()
+        self._leases: dict[str, _Record] = {}
+        self._fences: dict[str, int] = {}
+
+    def _now_us(self) -> int:
+        return int(self._clock() * 1_000_000)
+
+    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+        ttl = self._claim_args(resource, owner, ttl)
+        sent = monotonic()
+        with self._lock:
+            now = self._now_us()
+            current = self._leases.get(resource)
+            if current is not None and current.expires_us > now:
+                if current.token != owner.token:
+                    raise LeaseBusyError.held(
+                        resource, current.label, current.fence, (current.expires_us - now) / 1e6
+                    )
+                record, current = current, None  # the same claim retried: the same lease
+            else:
+                fence = self._fences.get(resource, 0) + 1
+                self._fences[resource] = fence
+                record = _Record(owner.token, owner.label, fence, now, now + round(ttl * 1e6))
+                self._leases[resource] = record
+        return Lease(
+            resource=resource,
+            owner=owner,
+            fence=record.fence,
+            acquired_at=from_micros(record.acquired_us),
+            expires_at=from_micros(record.expires_us),
+            ttl=ttl,
+            sent_monotonic=sent,
+            store=self,
+            previous_owner_label=None if current is None else current.label,
+            previous_fence=None if current is None else current.fence,
+        )
+
+    def _live_record(self, lease: Lease, now: int) -> _Record | LeaseLostError:
+        current = self._leases.get(lease.resource)
+        if current is None:
+            return self._lost(lease, "released", None, None)
+        if current.token != lease.owner.token or current.fence != lease.fence:
+            return self._lost(lease, "taken_over", current.label, current.fence)
+        if current.expires_us <= now:
+            return self._lost(lease, "expired", None, None)
+        return current
+
+    def renew_many(
+        self, leases: Sequence[Lease], ttl: float | None = None
+    ) -> list[LeaseLostError | None]:
+        ttls = [self._renew_ttl(lease, ttl) for lease in leases]
+        sent = monotonic()
+        results: list[LeaseLostError | None] = []
+        with self._lock:
+            now = self._now_us()
+            for lease, lease_ttl in zip(leases, ttls, strict=True):
+                record = self._live_record(lease, now)
+                if isinstance(record, LeaseLostError):
+                    results.append(record)
+                    continue
+                record.expires_us = now + round(lease_ttl * 1e6)
+                lease.renewed(sent, from_micros(record.expires_us), lease_ttl)
+                results.append(None)
+        return results
+
+    def verify(self, lease: Lease) -> None:
+        self._renew_ttl(lease, None)
+        with self._lock:
+            record = self._live_record(lease, self._now_us())
+        if isinstance(record, LeaseLostError):
+            raise record
+
+    def release(self, lease: Lease) -> bool:
+        self._renew_ttl(lease, None)
+        with self._lock:
+            current = self._leases.get(lease.resource)
+            if current is None or (current.token, current.fence) != (
+                lease.owner.token,
+                lease.fence,
+            ):
+                return False
+            del self._leases[lease.resource]
+            return True
+
+    def get(self, resource: str) -> LeaseInfo | None:
+        resource = validate_resource(resource)
+        with self._lock:
+            current = self._leases.get(resource)
+            return None if current is None else current.info(resource, self._now_us())
+
+    def list(
+        self,
+        *,
+        prefix: str = "",
+        expired_only: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> LeasePage:
+        limit = self._list_args(prefix, limit)
+        after = decode_cursor(cursor)
+        with self._lock:
+            now = self._now_us()
+            ordered = sorted(
+                (record.expires_us, resource)
+                for resource, record in self._leases.items()
+                if resource.startswith(prefix) and (not expired_only or record.expires_us <= now)
+            )
+            start = 0 if after is None else bisect.bisect_right(ordered, after)
+            page = ordered[start : start + limit]
+            infos = [self._leases[resource].info(resource, now) for _, resource in page]
+        more = start + limit < len(ordered)
+        next_cursor = encode_cursor(*page[-1]) if more and page else None
+        return LeasePage(infos, next_cursor)
+
+    def force_release(self, resource: str) -> LeaseInfo | None:
+        resource = validate_resource(resource)
+        with self._lock:
+            now = self._now_us()
+            current = self._leases.pop(resource, None)
+            self._fences[resource] = self._fences.get(resource, 0) + 1
+            return None if current is None else current.info(resource, now)
+
+    def check_health(self) -> builtins.list[str]:
+        return ["MemoryLeaseStore shares nothing between processes: use it only in tests"]
+
+    def close(self) -> None:
+        """Nothing to close."""

@@ -1,0 +1,353 @@
+"""The Redis lease store: one Lua script per operation, timed by the server's ``TIME``.
+
+See :mod:`celery_lease.stores._redis_scripts` for the key layout and the fence rule. Scripts are
+registered per store instance; every key a script touches is passed in ``KEYS`` and every value
+in ``ARGV``. Driver errors become :class:`LeaseStoreError` in :meth:`RedisLeaseStore._run` only.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError, LeaseStoreError
+from .._lease import Lease, LeaseInfo, Owner, from_micros
+from .._names import show_value, validate_resource
+from . import _redis_scripts as lua
+from .base import (
+    DEFAULT_MAX_TTL,
+    BaseLeaseStore,
+    LeasePage,
+    decode_cursor,
+    encode_cursor,
+    monotonic,
+)
+from .urls import mask_url
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "RedisLeaseStore needs the redis package: pip install 'celery-lease[redis]'"
+    ) from exc
+
+__all__ = ["RedisLeaseStore"]
+
+log = logging.getLogger(__name__)
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+_RECORD_RE = re.compile(r"([0-9a-f]+) (\d+) (\d+) (\d+) (.*)", re.DOTALL)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisLeaseStore(BaseLeaseStore):
+    """Leases in Redis (standalone server; the key layout is also Redis Cluster ready).
+
+    Args:
+        client: a ``redis.Redis`` to use (not closed by :meth:`close`); or give ``url``.
+        url: ``redis://``, ``rediss://`` or ``unix://`` URL; the store creates and owns a client.
+        key_prefix: prefix of every key, default ``celery_lease:``; the store adds a hash tag.
+        shards: how many hash-tagged key groups resources spread over (Cluster slots); each
+            ``list()`` touches all of them.
+        max_ttl: the largest ttl accepted.
+        socket_timeout: seconds a command may take before it fails as LeaseStoreError
+            (only for a client the store creates).
+        require_noeviction: make :meth:`check_health` refuse (raise) instead of warn when the
+            server may evict keys (``maxmemory-policy`` other than ``noeviction``).
+        require_persistence: likewise when the server persists nothing (no AOF, no RDB).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis | None = None,
+        *,
+        url: str | None = None,
+        key_prefix: str = "celery_lease:",
+        shards: int = 16,
+        max_ttl: float = DEFAULT_MAX_TTL,
+        socket_timeout: float = 5.0,
+        require_noeviction: bool = False,
+        require_persistence: bool = False,
+    ) -> None:
+        super().__init__(max_ttl=max_ttl)
+        if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
+            raise LeaseConfigError(
+                f"key_prefix={show_value(key_prefix)} is not allowed: use 1..64 characters of "
+                "A-Z a-z 0-9 _ . : - (no braces: the store adds the hash tag itself)"
+            )
+        if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= 1024:
+            raise LeaseConfigError(f"shards must be an integer 1..1024, got {shards!r}")
+        if (client is None) == (url is None):
+            raise LeaseConfigError("RedisLeaseStore needs exactly one of client= or url=")
+        self._owns_client = client is None
+        if client is None:
+            assert url is not None
+            try:
+                client = redis.Redis.from_url(
+                    url,
+                    socket_timeout=socket_timeout,
+                    socket_connect_timeout=socket_timeout,
+                    # One immediate reconnect covers a connection the server dropped; more
+                    # retries would stall renewal past the self-fence deadline.
+                    retry=Retry(NoBackoff(), 1),
+                )
+            except ValueError as exc:
+                raise LeaseConfigError(
+                    f"bad Redis URL {mask_url(url)}: {exc}; expected redis://host:port/db, "
+                    "rediss://... or unix:///path/to/socket"
+                ) from None
+            self.url = mask_url(url)
+        else:
+            kwargs = client.connection_pool.connection_kwargs
+            where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+            self.url = f"redis://{where}/{kwargs.get('db', 0)}"
+        self.client = client
+        self.key_prefix = key_prefix
+        self.shards = shards
+        self.require_noeviction = require_noeviction
+        self.require_persistence = require_persistence
+        self._acquire = client.register_script(lua.ACQUIRE)
+        self._renew = client.register_script(lua.RENEW)
+        self._release = client.register_script(lua.RELEASE)
+        self._get = client.register_script(lua.GET)
+        self._force_release = client.register_script(lua.FORCE_RELEASE)
+        self._list = client.register_script(lua.LIST)
+        self._epochs: dict[int, str] = {}
+        #: How many times this store saw a shard's epoch change: the server lost its data.
+        self.data_loss_detected = 0
+
+    # -- keys ------------------------------------------------------------------------------
+    def shard_of(self, resource: str) -> int:
+        return zlib.crc32(resource.encode()) % self.shards
+
+    def _keys(self, shard: int, *names: str) -> list[str]:
+        return [f"{self.key_prefix}{{{shard:02x}}}:{name}" for name in names]
+
+    # -- plumbing --------------------------------------------------------------------------
+    @contextmanager
+    def _run(self, what: str) -> Iterator[None]:
+        """Translate driver errors: the single place where redis exceptions are caught."""
+        try:
+            yield
+        except redis.RedisError as exc:
+            raise LeaseStoreError(
+                f"Redis lease store {self.url} failed during {what}: "
+                f"{type(exc).__name__}: {exc}; the outcome is unknown"
+            ) from exc
+
+    def _note_epoch(self, shard: int, epoch: Any) -> None:
+        epoch = _text(epoch)
+        seen = self._epochs.get(shard)
+        if seen is not None and seen != epoch:
+            self.data_loss_detected += 1
+            log.error(
+                "Redis lease store %s lost its data (shard %d epoch %s -> %s): the server "
+                "restarted without persistence or was flushed. Leases held before are gone; "
+                "fences stay increasing (they are floored at the server time). Enable AOF.",
+                self.url,
+                shard,
+                seen,
+                epoch,
+            )
+        self._epochs[shard] = epoch
+
+    @staticmethod
+    def _parse(record: Any) -> tuple[str, int, int, int, str]:
+        match = _RECORD_RE.fullmatch(_text(record))
+        if match is None:
+            raise LeaseStoreError(f"unreadable lease record {show_value(record)} in Redis")
+        token, fence, acquired, expires, label = match.groups()
+        return token, int(fence), int(acquired), int(expires), label
+
+    def _info(self, resource: str, record: Any, now: int) -> LeaseInfo:
+        _, fence, acquired, expires, label = self._parse(record)
+        return LeaseInfo(
+            resource=resource,
+            owner_label=label,
+            fence=fence,
+            acquired_at=from_micros(acquired),
+            expires_at=from_micros(expires),
+            expires_in=(expires - now) / 1e6,
+        )
+
+    # -- operations ------------------------------------------------------------------------
+    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+        ttl = self._claim_args(resource, owner, ttl)
+        shard = self.shard_of(resource)
+        keys = self._keys(shard, "leases", "expiry", "fences", "epoch")
+        sent = monotonic()
+        with self._run(f"acquire of {resource!r}"):
+            reply = self._acquire(
+                keys=keys, args=[resource, owner.token, owner.label, max(1, round(ttl * 1e6))]
+            )
+        if reply[0] == 0:
+            _, label, fence, expires, now, epoch = reply
+            self._note_epoch(shard, epoch)
+            raise LeaseBusyError.held(resource, _text(label), int(fence), (expires - now) / 1e6)
+        _, fence, acquired, expires, epoch, prev_label, prev_fence = [*reply, None, None][:7]
+        self._note_epoch(shard, epoch)
+        return Lease(
+            resource=resource,
+            owner=owner,
+            fence=int(fence),
+            acquired_at=from_micros(acquired),
+            expires_at=from_micros(expires),
+            ttl=ttl,
+            sent_monotonic=sent,
+            store=self,
+            previous_owner_label=None if prev_label is None else _text(prev_label),
+            previous_fence=None if prev_fence is None else int(prev_fence),
+        )
+
+    def _renew_call(
+        self, leases: Sequence[Lease], ttls: Sequence[float], what: str
+    ) -> tuple[float, list[Any]]:
+        keys: list[str] = []
+        args: list[Any] = []
+        for lease, ttl in zip(leases, ttls, strict=True):
+            keys += self._keys(self.shard_of(lease.resource), "leases", "expiry")
+            args += [lease.resource, lease.owner.token, str(lease.fence), round(ttl * 1e6)]
+        sent = monotonic()
+        with self._run(what):
+            reply = self._renew(keys=keys, args=args)
+        return sent, list(reply[1:])
+
+    def _lost_from(self, lease: Lease, item: Sequence[Any]) -> LeaseLostError:
+        reason = _text(item[1])
+        label = _text(item[2]) if len(item) > 2 and item[2] is not None else None
+        fence = int(item[3]) if len(item) > 3 and item[3] is not None else None
+        return self._lost(lease, reason, label, fence)
+
+    def renew_many(
+        self, leases: Sequence[Lease], ttl: float | None = None
+    ) -> list[LeaseLostError | None]:
+        if not leases:
+            return []
+        ttls = [self._renew_ttl(lease, ttl) for lease in leases]
+        sent, items = self._renew_call(leases, [max(t, 1e-6) for t in ttls], "renewal")
+        results: list[LeaseLostError | None] = []
+        for lease, lease_ttl, item in zip(leases, ttls, items, strict=True):
+            if item[0] == 1:
+                lease.renewed(sent, from_micros(item[1]), lease_ttl)
+                results.append(None)
+            else:
+                results.append(self._lost_from(lease, item))
+        return results
+
+    def verify(self, lease: Lease) -> None:
+        self._renew_ttl(lease, None)
+        _, items = self._renew_call([lease], [0.0], f"verify of {lease.resource!r}")
+        if items[0][0] != 1:
+            raise self._lost_from(lease, items[0])
+
+    def release(self, lease: Lease) -> bool:
+        self._renew_ttl(lease, None)
+        keys = self._keys(self.shard_of(lease.resource), "leases", "expiry")
+        with self._run(f"release of {lease.resource!r}"):
+            done = self._release(keys=keys, args=[lease.resource, lease.owner.token, lease.fence])
+        return bool(done)
+
+    def get(self, resource: str) -> LeaseInfo | None:
+        validate_resource(resource)
+        with self._run(f"get of {resource!r}"):
+            reply = self._get(keys=self._keys(self.shard_of(resource), "leases"), args=[resource])
+        now, record = reply[0], reply[1] if len(reply) > 1 else None
+        return None if record is None else self._info(resource, record, now)
+
+    def list(
+        self,
+        *,
+        prefix: str = "",
+        expired_only: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> LeasePage:
+        limit = self._list_args(prefix, limit)
+        after = decode_cursor(cursor)
+        keys: list[str] = []
+        for shard in range(self.shards):
+            keys += self._keys(shard, "leases", "expiry")
+        args = [
+            "1" if expired_only else "0",
+            "" if after is None else str(after[0]),
+            "" if after is None else after[1],
+            prefix,
+            limit,
+        ]
+        with self._run("list"):
+            reply = self._list(keys=keys, args=args)
+        now, more = int(reply[0]), int(reply[1])
+        infos: list[LeaseInfo] = []
+        next_cursor = None
+        for i in range(2, len(reply), 2):
+            if reply[i + 1]:  # an index entry whose record is gone (a racing release) is skipped
+                resource = _text(reply[i])
+                infos.append(self._info(resource, reply[i + 1], now))
+                if more:
+                    next_cursor = encode_cursor(self._parse(reply[i + 1])[3], resource)
+        return LeasePage(infos, next_cursor)
+
+    def force_release(self, resource: str) -> LeaseInfo | None:
+        validate_resource(resource)
+        keys = self._keys(self.shard_of(resource), "leases", "expiry", "fences")
+        with self._run(f"force_release of {resource!r}"):
+            reply = self._force_release(keys=keys, args=[resource])
+        now, record = reply[0], reply[1] if len(reply) > 1 else None
+        if record is None:
+            return None
+        info = self._info(resource, record, now)
+        log.warning(
+            "force-released lease on %r held by %r with fence %d",
+            resource,
+            info.owner_label,
+            info.fence,
+        )
+        return info
+
+    def check_health(self) -> builtins.list[str]:
+        warnings: builtins.list[str] = []
+        with self._run("health check"):
+            self.client.ping()
+            try:
+                config: dict[Any, Any] = {}
+                for name in ("maxmemory-policy", "appendonly", "save"):
+                    config.update(self.client.config_get(name))
+            except redis.ResponseError as exc:  # CONFIG is often disabled on managed Redis
+                return [
+                    f"could not read the Redis configuration ({exc}); make sure "
+                    "maxmemory-policy is noeviction and AOF persistence is on"
+                ]
+        config = {_text(k): _text(v) for k, v in config.items()}
+        policy = config.get("maxmemory-policy", "")
+        if policy != "noeviction":
+            message = (
+                f"Redis at {self.url} has maxmemory-policy={policy!r}: under memory pressure it "
+                "can silently evict lease keys and let two owners in; set noeviction"
+            )
+            if self.require_noeviction:
+                raise LeaseStoreError(message)
+            warnings.append(message)
+        if config.get("appendonly") != "yes":
+            message = (
+                f"Redis at {self.url} has appendonly={config.get('appendonly')!r} and "
+                f"save={config.get('save')!r}: a restart can lose live leases (fences stay "
+                "increasing, floored at the server clock); enable AOF (appendonly yes)"
+            )
+            if self.require_persistence and not config.get("save"):
+                raise LeaseStoreError(message)
+            warnings.append(message)
+        return warnings
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.client.close()

@@ -1,0 +1,108 @@
+"""Shared fixtures: real servers, stores over every backend, unique resource names.
+
+Servers: when ``CELERY_LEASE_TEST_REDIS_URL`` / ``CELERY_LEASE_TEST_POSTGRES_URL`` are set
+(``.ci/run`` starts the servers and sets them), the tests use those; otherwise the session starts
+its own on free loopback ports in temporary directories and stops them at the end. A missing
+server binary skips the tests that need it, except under ``CI=true`` where it fails them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from celery_lease.stores import MemoryLeaseStore, store_from_url
+from celery_lease.stores.base import BaseLeaseStore
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+STORE_KINDS = ("memory", "redis", "sqlite", "postgres")
+_counter = itertools.count()
+
+
+def missing(what: str) -> None:
+    """Skip locally, fail in CI: a test that needs a server must not silently pass in CI."""
+    if IN_CI:
+        pytest.fail(f"{what} is required when CI=true", pytrace=False)
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A running redis-server: the CI one from the environment, or one started here."""
+    url = os.environ.get("CELERY_LEASE_TEST_REDIS_URL")
+    if url:
+        yield SimpleNamespace(url=url)
+        return
+    from tests.tooling.servers import RedisServer
+
+    try:
+        server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=True)
+    except FileNotFoundError as exc:
+        missing(str(exc))
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A running PostgreSQL: the CI one from the environment, or one started here."""
+    url = os.environ.get("CELERY_LEASE_TEST_POSTGRES_URL")
+    if url:
+        yield SimpleNamespace(url=url)
+        return
+    from tests.tooling.servers import PostgresServer
+
+    try:
+        server = PostgresServer()
+    except FileNotFoundError as exc:
+        missing(str(exc))
+    with server:
+        yield server
+
+
+def unique(prefix: str = "t") -> str:
+    """A name no other test uses: keeps tests independent on shared servers."""
+    return f"{prefix}{os.getpid():x}{next(_counter):x}{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def names() -> str:
+    """A unique resource-name prefix for one test, e.g. ``t1a2b3c/``."""
+    return unique() + "/"
+
+
+def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any, **options: Any) -> Any:
+    """Build a store of ``kind`` isolated from other tests (own key prefix / tables / file)."""
+    if kind == "memory":
+        return MemoryLeaseStore(**options)
+    if kind == "redis":
+        server = request.getfixturevalue("redis_server")
+        return store_from_url(server.url, key_prefix=f"{unique('cl')}:", **options)
+    if kind == "sqlite":
+        return store_from_url(f"sqlite:///{tmp_path}/leases.db", **options)
+    if kind == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        return store_from_url(server.url, table_prefix=f"{unique('cl')}_", **options)
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BaseLeaseStore]:
+    """Each store kind in turn, isolated from the other tests."""
+    instance = make_store(request.param, request, tmp_path)
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+@pytest.fixture(params=("redis", "sqlite", "postgres"))
+def real_store_kind(request: pytest.FixtureRequest) -> str:
+    """The stores shared between processes (everything but memory)."""
+    return str(request.param)

@@ -1,0 +1,357 @@
+"""Real Redis and PostgreSQL servers for the tests, on 127.0.0.1, in temporary directories.
+
+Each server is started by the tooling, on a free non-default port, and stopped by PID by
+whoever started it. Usable as a library by ``.ci/run`` too::
+
+    python -m tests.tooling.servers start /tmp/dir   # prints export lines, leaves them running
+    python -m tests.tooling.servers stop /tmp/dir
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["PostgresServer", "RedisServer", "free_port", "wait_for"]
+
+PG_BIN = Path(os.environ.get("CELERY_LEASE_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (not a server's default port)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in (5432, 6379):
+            return port
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _stop_pid(pid: int, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """Stop a process we started, by PID, escalating to SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child: poll for its exit
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
+            continue
+        if done:
+            return
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _stop_popen(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 10.0
+) -> None:
+    """Stop a child we started and reap it through its Popen (no zombie, no warning)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class RedisServer:
+    """A redis-server on 127.0.0.1:<free port> with its data in a temporary directory.
+
+    Args:
+        appendonly: AOF persistence; ``appendfsync`` sets its fsync policy.
+        maxmemory_policy: the eviction policy (noeviction unless a test wants otherwise).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        appendonly: bool = False,
+        appendfsync: str = "everysec",
+        maxmemory_policy: str = "noeviction",
+        maxmemory: str | None = None,
+    ) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self._tmp = None if directory else tempfile.mkdtemp(prefix="celery-lease-redis-")
+        self.dir = Path(directory or self._tmp or "")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.maxmemory_policy = maxmemory_policy
+        self.maxmemory = maxmemory
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [
+            self.binary or "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--maxmemory-policy",
+            self.maxmemory_policy,
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self._ready, 20, f"redis-server on port {self.port}")
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing is flushed beyond what AOF already wrote)."""
+        if self.proc is not None:
+            _stop_popen(self.proc, signal.SIGKILL)
+            self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_popen(self.proc)
+            self.proc = None
+
+    def restart(self, *, kill: bool = True) -> None:
+        self.kill() if kill else self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PostgresServer:
+    """A PostgreSQL 15 cluster made by initdb in a temporary directory, on 127.0.0.1.
+
+    The directory must be reachable by the ``postgres`` user: leave ``directory`` unset to get a
+    fresh one under the system temporary directory (pytest's own tmp dirs are root-only).
+
+    The server runs as the ``postgres`` user when the tests run as root (PostgreSQL refuses to
+    run as root). Connect with ``url`` (user postgres, trust authentication on loopback).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, port: int | None = None):
+        if not (PG_BIN / "initdb").exists():
+            raise FileNotFoundError(f"PostgreSQL binaries not found in {PG_BIN}")
+        self._tmp = None if directory else tempfile.mkdtemp(prefix="celery-lease-pg-")
+        self.dir = Path(directory or self._tmp or "")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.data = self.dir / "data"
+        self.port = port or free_port()
+        self._as_postgres = os.geteuid() == 0
+        if self._as_postgres:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            os.chmod(self.dir, 0o755)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+
+    def _cmd(self, *args: str) -> list[str]:
+        cmd = [str(PG_BIN / args[0]), *args[1:]]
+        return ["runuser", "-u", "postgres", "--", *cmd] if self._as_postgres else cmd
+
+    def init(self) -> None:
+        if (self.data / "PG_VERSION").exists():
+            return
+        _run_checked(
+            self._cmd(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale",
+                "C",
+            )
+        )
+
+    def start(self) -> PostgresServer:
+        self.init()
+        options = (
+            f"-c listen_addresses=127.0.0.1 -c port={self.port} "
+            f"-c unix_socket_directories={self.dir} -c max_connections=300 "
+            "-c shared_buffers=64MB -c fsync=on -c synchronous_commit=on "
+            "-c log_min_messages=fatal"
+        )
+        _run_checked(
+            self._cmd(
+                "pg_ctl",
+                "-D",
+                str(self.data),
+                "-o",
+                options,
+                "-l",
+                str(self.dir / "postgres.log"),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            )
+        )
+        wait_for(lambda: _port_open(self.port), 30, f"PostgreSQL on port {self.port}")
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def stop(self, mode: str = "fast") -> None:
+        if self.pid is None:
+            return
+        subprocess.run(
+            self._cmd("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop"),
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def restart(self, mode: str = "immediate") -> None:
+        self.stop(mode)
+        self.start()
+
+    def close(self) -> None:
+        self.stop("immediate")
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _run_checked(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def _main(argv: list[str]) -> int:
+    """``start DIR`` launches both servers and prints ``export`` lines; ``stop DIR`` stops."""
+    if len(argv) != 2 or argv[0] not in ("start", "stop"):
+        print("usage: python -m tests.tooling.servers start|stop DIR", file=sys.stderr)
+        return 2
+    action, directory = argv
+    base = Path(directory)
+    if action == "start":
+        base.mkdir(parents=True, exist_ok=True)
+        redis_server = RedisServer(base / "redis", appendonly=True).start()
+        assert redis_server.proc is not None
+        (base / "redis.pid").write_text(str(redis_server.proc.pid))
+        pg = PostgresServer(base / "pg").start()
+        print(f"export CELERY_LEASE_TEST_REDIS_URL={redis_server.url}")
+        print(f"export CELERY_LEASE_TEST_POSTGRES_URL={pg.url}")
+        # keep redis running after we exit: detach from the Popen object
+        redis_server.proc = None
+        return 0
+    pid_file = base / "redis.pid"
+    if pid_file.exists():
+        _stop_pid(int(pid_file.read_text()))
+        pid_file.unlink()
+    if (base / "pg").exists():
+        PostgresServer(base / "pg").stop("fast")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
