@@ -10,12 +10,15 @@ from ._errors import (
     LeaseStoreError,
     StaleFenceError,
 )
+from ._fencing import FenceGate
 from ._lease import Lease, LeaseInfo, Owner
+from ._task import LeaseTask, current_lease, lease_task
 from .stores import LeaseStore, store_from_url
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "FenceGate",
     "Lease",
     "LeaseBusyError",
     "LeaseConfigError",
@@ -24,8 +27,11 @@ __all__ = [
     "LeaseLostError",
     "LeaseStore",
     "LeaseStoreError",
+    "LeaseTask",
     "Owner",
     "StaleFenceError",
     "__version__",
+    "current_lease",
+    "lease_task",
     "store_from_url",
 ]

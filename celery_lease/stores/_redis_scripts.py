@@ -1,12 +1,15 @@
 """Lua scripts of the Redis lease store.
 
 Key layout (every key is fixed per shard, resource names are only hash fields and set members,
-so no user input ever becomes part of a key name or pattern)::
+so no user input ever becomes part of a lease key name or pattern)::
 
     <prefix>{NN}:leases    hash   resource -> "<token> <fence> <acquired_us> <expires_us> <label>"
     <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
     <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset)
     <prefix>{NN}:epoch     string server time (us) when this shard's data was first written
+
+``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
+the key is validated by the resource-name rule (no braces, globs or spaces) before it is used.
 
 ``NN`` is the resource's shard (crc32 of the name modulo the shard count). ``{NN}`` is the hash
 tag, so a resource's keys share one Redis Cluster slot. Times are microseconds of the server's
@@ -67,20 +70,25 @@ return {1, fence, now, exp, epoch, prev_label, prev_fence}
 
 RENEW = (
     """
--- KEYS[2i-1] leases hash and KEYS[2i] expiry zset of lease i
+-- KEYS[3i-2] leases hash, KEYS[3i-1] expiry zset and KEYS[3i] epoch key of lease i's shard
 -- ARGV[4i-3] resource, ARGV[4i-2] owner token, ARGV[4i-1] fence, ARGV[4i] ttl (us) of lease i;
 -- a ttl of 0 only verifies the lease and changes nothing
--- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence}
+-- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence};
+-- reason 'store_reset' when the shard's epoch is gone (the server lost its data)
 """
     + _PRELUDE
     + """
 local out = {now}
-for i = 1, #KEYS / 2 do
-  local leases, expiry = KEYS[2 * i - 1], KEYS[2 * i]
+for i = 1, #KEYS / 3 do
+  local leases, expiry, epoch = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local res, tok, fence, ttl = ARGV[4 * i - 3], ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i]
   local cur = redis.call('HGET', leases, res)
   if not cur then
-    out[#out + 1] = {0, 'released'}
+    if redis.call('EXISTS', epoch) == 0 then
+      out[#out + 1] = {0, 'store_reset'}
+    else
+      out[#out + 1] = {0, 'released'}
+    end
   else
     local ctok, cf, a, e, label = parse(cur)
     if ctok ~= tok or cf ~= fence then
@@ -212,3 +220,16 @@ end
 return out
 """
 )
+
+GATE_ADMIT = """
+-- KEYS[1] the fence gate key of one side-effect key
+-- ARGV[1] the fence to admit
+-- admits a fence >= the highest admitted so far and records it
+-- returns {1, fence} when admitted, {0, highest} when the fence is stale
+local cur = redis.call('GET', KEYS[1])
+if cur and tonumber(cur) > tonumber(ARGV[1]) then
+  return {0, tonumber(cur)}
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return {1, tonumber(ARGV[1])}
+"""

@@ -21,7 +21,7 @@ _NOW = {
 class Statements:
     """SQL text for one dialect and table, built once per store."""
 
-    def __init__(self, dialect: str, table: str, paramstyle: str) -> None:
+    def __init__(self, dialect: str, table: str, paramstyle: str, gate_table: str) -> None:
         self.dialect = dialect
         self.table = table
         now = _NOW[dialect]
@@ -90,7 +90,7 @@ class Statements:
             SELECT resource, owner_label, fence, acquired_us, expires_us, n.us
             FROM {t}, (SELECT {now} AS us) AS n
             WHERE owner_token IS NOT NULL
-              AND resource LIKE {p("pattern")} ESCAPE '!'
+              AND substr(resource, 1, {p("plen")}) = {p("prefix")}
               AND (expires_us > {p("after_e")}
                    OR (expires_us = {p("after_e")} AND resource > {p("after_r")}))
               AND ({p("expired")} = 0 OR expires_us <= n.us)
@@ -111,6 +111,23 @@ class Statements:
                 UPDATE {t} SET owner_token = NULL, expires_us = NULL, fence = fence + 1,
                     prev_label = NULL, prev_fence = NULL
                 WHERE resource = {p("r")}"""
+
+        g = gate_table
+        gate_upsert = f"""
+            INSERT INTO {g} AS t (key, fence) VALUES ({p("k")}, {p("f")})
+            ON CONFLICT (key) DO UPDATE SET fence = excluded.fence
+            WHERE t.fence <= excluded.fence
+            RETURNING fence"""
+        self.gate_read = f"SELECT fence FROM {g} WHERE key = {p('k')}"
+        if dialect == "postgresql":
+            self.gate_admit = f"""
+                WITH up AS ({gate_upsert})
+                SELECT 1, fence FROM up
+                UNION ALL
+                SELECT 0, fence FROM {g}
+                WHERE key = {p("k")} AND NOT EXISTS (SELECT 1 FROM up)"""
+        else:
+            self.gate_admit = gate_upsert
 
     @lru_cache(maxsize=64)  # noqa: B019 - one Statements per store, a handful of batch sizes
     def renew_many(self, count: int) -> str:

@@ -66,6 +66,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._lock = threading.Lock()
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}
+        self._gates: dict[str, int] = {}
 
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
@@ -184,6 +185,20 @@ class MemoryLeaseStore(BaseLeaseStore):
             current = self._leases.pop(resource, None)
             self._fences[resource] = self._fences.get(resource, 0) + 1
             return None if current is None else current.info(resource, now)
+
+    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
+        """Admit ``fence`` for ``key`` if it is >= the highest admitted (FenceGate support)."""
+        validate_resource(key)
+        with self._lock:
+            highest = self._gates.get(key)
+            if highest is not None and highest > fence:
+                return False, highest
+            self._gates[key] = int(fence)
+            return True, int(fence)
+
+    def gate_highest(self, key: str) -> int | None:
+        with self._lock:
+            return self._gates.get(validate_resource(key))
 
     def check_health(self) -> builtins.list[str]:
         return ["MemoryLeaseStore shares nothing between processes: use it only in tests"]

@@ -122,6 +122,7 @@ class RedisLeaseStore(BaseLeaseStore):
         self._get = client.register_script(lua.GET)
         self._force_release = client.register_script(lua.FORCE_RELEASE)
         self._list = client.register_script(lua.LIST)
+        self._gate_admit = client.register_script(lua.GATE_ADMIT)
         self._epochs: dict[int, str] = {}
         #: How many times this store saw a shard's epoch change: the server lost its data.
         self.data_loss_detected = 0
@@ -152,7 +153,8 @@ class RedisLeaseStore(BaseLeaseStore):
             self.data_loss_detected += 1
             log.error(
                 "Redis lease store %s lost its data (shard %d epoch %s -> %s): the server "
-                "restarted without persistence or was flushed. Leases held before are gone; "
+                "restarted without persistence, was flushed or evicted keys. Leases held "
+                "before are gone; "
                 "fences stay increasing (they are floored at the server time). Enable AOF.",
                 self.url,
                 shard,
@@ -215,7 +217,7 @@ class RedisLeaseStore(BaseLeaseStore):
         keys: list[str] = []
         args: list[Any] = []
         for lease, ttl in zip(leases, ttls, strict=True):
-            keys += self._keys(self.shard_of(lease.resource), "leases", "expiry")
+            keys += self._keys(self.shard_of(lease.resource), "leases", "expiry", "epoch")
             args += [lease.resource, lease.owner.token, str(lease.fence), round(ttl * 1e6)]
         sent = monotonic()
         with self._run(what):
@@ -313,6 +315,22 @@ class RedisLeaseStore(BaseLeaseStore):
             info.fence,
         )
         return info
+
+    # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
+    def _gate_key(self, key: str) -> str:
+        return f"{self.key_prefix}gate:{validate_resource(key)}"
+
+    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
+        """Admit ``fence`` for ``key`` if it is >= the highest admitted; one round trip."""
+        with self._run(f"fence gate admit of {key!r}"):
+            ok, value = self._gate_admit(keys=[self._gate_key(key)], args=[int(fence)])
+        return bool(ok), int(value)
+
+    def gate_highest(self, key: str) -> int | None:
+        """The highest fence admitted for ``key``, or None."""
+        with self._run(f"fence gate read of {key!r}"):
+            value = self.client.get(self._gate_key(key))
+        return None if value is None else int(value)
 
     def check_health(self) -> builtins.list[str]:
         warnings: builtins.list[str] = []

@@ -108,9 +108,14 @@ class SQLLeaseStore(BaseLeaseStore):
                 )
         # An in-memory SQLite database lives in one connection that all threads share.
         self._serial = threading.Lock() if isinstance(engine.pool, StaticPool) else None
-        self.metadata, self.leases_table, self.meta_table = _tables(table_prefix)
+        self.metadata, self.leases_table, self.meta_table, self.gate_table = _tables(table_prefix)
         quote = engine.dialect.identifier_preparer.quote
-        self.sql = stmts.Statements(self.dialect, quote(self.leases_table.name), self._paramstyle())
+        self.sql = stmts.Statements(
+            self.dialect,
+            quote(self.leases_table.name),
+            self._paramstyle(),
+            quote(self.gate_table.name),
+        )
         if create_tables:
             self.create_tables()
 
@@ -225,6 +230,10 @@ class SQLLeaseStore(BaseLeaseStore):
             if row is None:  # a racing first claim is not visible to our snapshot yet: ask again
                 continue
             ok, fence, acquired, expires, label, prev_fence, token, now = row
+            if not ok and (token is None or expires <= now):
+                # Our snapshot shows the lease free (released or expired), but a claim racing
+                # ours committed a newer version first: held by an owner we cannot see yet.
+                continue
             if not ok and token != owner.token:
                 raise LeaseBusyError.held(resource, label, int(fence), (expires - now) / 1e6)
             recovered = ok and prev_fence is not None
@@ -347,7 +356,9 @@ class SQLLeaseStore(BaseLeaseStore):
         limit = self._list_args(prefix, limit)
         after = decode_cursor(cursor)
         query = {
-            "pattern": prefix.replace("!", "!!").replace("_", "!_").replace("%", "!%") + "%",
+            # substr, not LIKE: LIKE treats _ as a wildcard and ignores case on SQLite.
+            "prefix": prefix,
+            "plen": len(prefix),
             "after_e": -(2**62) if after is None else after[0],
             "after_r": "" if after is None else after[1],
             "expired": 1 if expired_only else 0,
@@ -391,6 +402,34 @@ class SQLLeaseStore(BaseLeaseStore):
             info.fence,
         )
         return info
+
+    # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
+    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
+        """Admit ``fence`` for ``key`` if it is >= the highest admitted; one statement."""
+        params = {"k": validate_resource(key), "f": int(fence)}
+
+        def work(cursor: Any) -> tuple[Any, ...] | None:
+            if self.dialect == "postgresql":
+                return _fetch(cursor, self.sql.gate_admit, params)
+            with self._immediate(cursor):
+                row = _fetch(cursor, self.sql.gate_admit, params)
+                if row is not None:
+                    return (1, row[0])
+                highest = _fetch(cursor, self.sql.gate_read, params)
+                return None if highest is None else (0, highest[0])
+
+        for _ in range(3):
+            row = self._run(f"fence gate admit of {key!r}", work)
+            if row is not None:  # None: a racing first insert not visible to our snapshot yet
+                return bool(row[0]), int(row[1])
+        raise LeaseStoreError(f"fence gate admit of {key!r} kept racing a concurrent insert")
+
+    def gate_highest(self, key: str) -> int | None:
+        params = {"k": validate_resource(key)}
+        row = self._run(
+            f"fence gate read of {key!r}", lambda c: _fetch(c, self.sql.gate_read, params)
+        )
+        return None if row is None else int(row[0])
 
     def check_health(self) -> builtins.list[str]:
         self._run("health check", lambda c: _fetch(c, "SELECT 1", {}))
@@ -455,7 +494,7 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
     return engine
 
 
-def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table]:
+def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
     metadata = sa.MetaData()
     leases = sa.Table(
         f"{prefix}leases",
@@ -481,7 +520,13 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table]:
         sa.Column("key", sa.String(64), primary_key=True),
         sa.Column("value", sa.String(200), nullable=False),
     )
-    return metadata, leases, meta
+    gate = sa.Table(
+        f"{prefix}fence_gate",
+        metadata,
+        sa.Column("key", sa.String(200), primary_key=True),
+        sa.Column("fence", sa.BigInteger, nullable=False),
+    )
+    return metadata, leases, meta, gate
 
 
 def _one(cursor: Any) -> tuple[Any, ...] | None:

@@ -1,0 +1,186 @@
+"""Per-app wiring: the store of each app, the worker bootstep, worker options and signals.
+
+``install(app)`` runs automatically when a lease task is bound to an app; call it yourself in
+the module that creates the app if you want the ``--lease-*`` worker options (the command line
+is parsed before task modules are imported).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+from celery import bootsteps, signals
+
+from ._errors import LeaseConfigError, LeaseError
+from ._renewer import get_renewer
+from ._settings import LeaseSettings
+from .stores import LeaseStore, store_from_url
+
+__all__ = ["LeaseBootstep", "get_store", "install", "release_all_held"]
+
+log = logging.getLogger(__name__)
+
+_StoreKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]
+_stores: weakref.WeakKeyDictionary[Any, dict[_StoreKey, LeaseStore]] = weakref.WeakKeyDictionary()
+_stores_lock = threading.Lock()
+_installed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _store_options(settings: LeaseSettings) -> dict[str, Any]:
+    url = settings.store_url.lower()
+    options = dict(settings.store_options)
+    # Keep a store call well inside the self-fence margin so a renewal retry still fits.
+    timeout = min(5.0, max(0.2, settings.ttl / 4))
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        options.setdefault("key_prefix", settings.key_prefix)
+        options.setdefault("socket_timeout", timeout)
+    elif url.startswith(("postgresql", "sqlite")):
+        options.setdefault("table_prefix", settings.table_prefix)
+        if url.startswith("postgresql"):
+            options.setdefault("statement_timeout", timeout)
+    return options
+
+
+def get_store(app: Any, settings: LeaseSettings | None = None) -> LeaseStore:
+    """The lease store of ``app`` for these settings (made once per process and app).
+
+    Raises:
+        LeaseConfigError: ``lease_store_url`` is not set or not usable.
+    """
+    if settings is None:
+        settings = LeaseSettings.resolve(app.conf)
+    if not settings.store_url:
+        raise LeaseConfigError(
+            "lease_store_url is not set: set app.conf.lease_store_url to redis://host:6379/0, "
+            "postgresql+psycopg://user@host/db or sqlite:///path/leases.db (celery_lease "
+            "never falls back to the broker URL)"
+        )
+    options = _store_options(settings)
+    key: _StoreKey = (
+        settings.store_url,
+        settings.key_prefix,
+        settings.table_prefix,
+        tuple(sorted((k, repr(v)) for k, v in options.items())),
+    )
+    per_app = _stores.get(app)
+    store = per_app.get(key) if per_app is not None else None
+    if store is not None:
+        return store
+    with _stores_lock:
+        per_app = _stores.setdefault(app, {})
+        store = per_app.get(key)
+        if store is None:
+            store = store_from_url(settings.store_url, **options)
+            per_app[key] = store
+    return store
+
+
+def _reset_stores_after_fork() -> None:
+    for per_app in list(_stores.values()):
+        for store in per_app.values():
+            try:
+                store.reset_after_fork()
+            except Exception:
+                log.exception("resetting %r after fork failed", store)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_stores_after_fork)
+
+
+def release_all_held() -> int:
+    """Release every lease this process still holds (shutdown path). Returns how many."""
+    renewer = get_renewer()
+    held = renewer.held()
+    renewer.shutdown()
+    released = 0
+    for lease in held:
+        if lease.store is None:
+            continue
+        try:
+            released += bool(lease.store.release(lease))
+        except LeaseError as exc:
+            log.warning("could not release %r at shutdown: %s", lease, exc)
+    if held:
+        log.info("celery_lease released %d of %d held leases at shutdown", released, len(held))
+    return released
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    release_all_held()
+
+
+signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
+
+
+atexit.register(release_all_held)
+
+
+class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: applies ``--lease-*`` options and checks the store at start."""
+
+    label = "celery_lease"
+
+    def __init__(
+        self,
+        worker: Any,
+        lease_store_url: str | None = None,
+        lease_ttl: float | None = None,
+        lease_max_runtime: float | None = None,
+        **options: Any,
+    ) -> None:
+        conf = worker.app.conf
+        for key, value in (
+            ("lease_store_url", lease_store_url),
+            ("lease_ttl", lease_ttl),
+            ("lease_max_runtime", lease_max_runtime),
+        ):
+            if value is not None:
+                conf[key] = value
+        if getattr(worker, "task_events", False):
+            conf["worker_send_task_events"] = True
+        super().__init__(worker, **options)
+
+    def start(self, worker: Any) -> None:
+        app = worker.app
+        settings = LeaseSettings.resolve(app.conf)  # bad settings stop the worker here
+        store = get_store(app, settings)
+        try:
+            warnings = store.check_health()
+        except LeaseError as exc:
+            log.error(  # noqa: TRY400 - the message says it all; no traceback wanted
+                "celery_lease store %s is not usable at start: %s", store.url, exc
+            )
+            return
+        for warning in warnings:
+            log.warning("celery_lease: %s", warning)
+        log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
+
+
+def install(app: Any) -> None:
+    """Add the lease bootstep and the ``--lease-*`` worker options to ``app`` (idempotent)."""
+    if app in _installed:
+        return
+    _installed.add(app)
+    app.steps["worker"].add(LeaseBootstep)
+    try:
+        from click import Option
+    except ImportError:  # pragma: no cover - click comes with celery
+        return
+    app.user_options["worker"].update(
+        {
+            Option(["--lease-store-url"], default=None, help="celery_lease store URL."),
+            Option(["--lease-ttl"], type=float, default=None, help="Lease ttl in seconds."),
+            Option(
+                ["--lease-max-runtime"],
+                type=float,
+                default=None,
+                help="Hard cap on one execution's lease hold, seconds.",
+            ),
+        }
+    )

@@ -1,0 +1,140 @@
+"""Stopping a task body whose lease is lost, per worker pool.
+
+* The body runs in a process's main thread (prefork child, solo pool): a ``SIGUSR1`` sent to the
+  main thread runs our handler there, which raises :class:`LeaseInterrupt`; it interrupts a
+  blocking sleep or socket wait too. Our handler is installed only while the lease is held and
+  passes any other ``SIGUSR1`` (billiard's soft time limit, Celery's "cry" handler) to the
+  handler it replaced.
+* The body runs in another thread (threads pool): an asynchronous exception
+  (``PyThreadState_SetAsyncExc``), raised at the thread's next bytecode. It cannot break a
+  blocking C call, so long waits should call ``lease.check()``.
+* gevent: the body's greenlet is killed with :class:`LeaseInterrupt`.
+
+Disarming waits for an interrupt that is already on its way, so it can never land in the code
+that runs after the body (release, result storage).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from ._errors import LeaseLostError
+
+__all__ = ["Interrupter", "LeaseInterrupt"]
+
+_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+class LeaseInterrupt(LeaseLostError):
+    """Raised inside a task body to stop it because its lease was lost.
+
+    The task turns it into the recorded :class:`LeaseLostError` (with resource, fence and
+    holder) and a retry. It is a ``LeaseLostError`` so ``except LeaseLostError`` in user code
+    sees it as what it is.
+    """
+
+
+def _gevent_current() -> Any:
+    gevent = sys.modules.get("gevent")
+    monkey = sys.modules.get("gevent.monkey")
+    if gevent is None or monkey is None or not monkey.is_module_patched("threading"):
+        return None
+    return gevent.getcurrent()
+
+
+class Interrupter:
+    """Interrupts the body running in the thread (or greenlet) that created it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed = False
+        self._fire = False
+        self._pending = False
+        self._thread = threading.current_thread()
+        self._greenlet = _gevent_current()
+        self._previous: Any = None
+        if self._greenlet is not None:
+            self.mode = "gevent"
+        elif _SIGNAL is not None and self._thread is threading.main_thread():
+            self.mode = "signal"
+        else:
+            self.mode = "async-exception"
+
+    def arm(self) -> None:
+        """Allow interrupts from now on (call in the body's thread, before the body)."""
+        if self.mode == "signal":
+            self._previous = signal.signal(_SIGNAL, self._on_signal)  # type: ignore[arg-type]
+        with self._lock:
+            self._armed = True
+            self._fire = False
+
+    def disarm(self) -> None:
+        """Forbid interrupts and absorb one already sent (call in the body's thread).
+
+        An interrupt sent just before can still land while this runs; it is absorbed here, and
+        the caller learns of the loss from ``lease.lost``.
+        """
+        while True:
+            try:
+                self._fire = False
+                with self._lock:
+                    self._armed = False
+                    self._fire = False
+                if self.mode == "signal":
+                    # A signal already sent is handled at the next bytecode boundary of this
+                    # thread; let it arrive while our (now disarmed) handler is installed.
+                    for _ in range(1000):
+                        if not self._pending:
+                            break
+                        time.sleep(0)
+                    signal.signal(_SIGNAL, self._previous)  # type: ignore[arg-type]
+                elif self.mode == "async-exception":
+                    _set_async_exc(self._thread.ident, None)  # drop one not yet raised
+                return
+            except LeaseInterrupt:
+                continue
+
+    def interrupt(self) -> bool:
+        """Interrupt the body once, if armed (from any thread). Returns whether it was sent."""
+        with self._lock:
+            if not self._armed or self._fire:
+                return False
+            self._fire = True
+            if self.mode == "signal":
+                self._pending = True
+                signal.pthread_kill(self._thread.ident or 0, _SIGNAL)  # type: ignore[arg-type]
+            elif self.mode == "gevent":
+                kill = getattr(self._greenlet, "kill", None)
+                if kill is not None:
+                    kill(LeaseInterrupt, block=False)
+                else:
+                    self._greenlet.throw(LeaseInterrupt)
+            else:
+                _set_async_exc(self._thread.ident, LeaseInterrupt)
+            return True
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # No lock here: the handler runs in the body's thread, which may hold it.
+        if self._pending:
+            self._pending = False
+            if self._fire:
+                self._fire = False
+                raise LeaseInterrupt("the lease was lost")
+            return
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+
+
+def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:
+    if thread_id is None:
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )

@@ -1,0 +1,169 @@
+"""The ``lease_*`` settings: read from ``app.conf`` and per-task overrides, validated once.
+
+Every setting is a lowercase ``lease_*`` key on ``app.conf`` with a same-named task attribute
+(``LeaseTask.lease_ttl``) and a decorator keyword without the prefix (``@lease_task(ttl=...)``),
+the way ``task_acks_late`` pairs with ``Task.acks_late``. Bad values raise
+:class:`LeaseConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ._errors import LeaseConfigError
+from ._names import show_value
+
+__all__ = ["SETTINGS_DOC", "LeaseSettings"]
+
+ON_BUSY = ("retry", "skip", "fail")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseSettings:
+    """Resolved lease settings of one task (app defaults overlaid with the task's own)."""
+
+    store_url: str = ""
+    ttl: float = 60.0
+    renew_interval: float | None = None
+    self_fence_margin: float | None = None
+    max_runtime: float = 3600.0
+    on_busy: str = "retry"
+    busy_backoff_base: float = 1.0
+    busy_backoff_cap: float = 60.0
+    busy_backoff_jitter: float = 0.5
+    busy_max_waits: int = 1000
+    lost_max_retries: int = 5
+    lost_retry_delay: float = 1.0
+    key_prefix: str = "celery_lease:"
+    table_prefix: str = "celery_lease_"
+    store_options: dict[str, Any] = field(default_factory=dict)
+    allow_direct_call: bool = False
+    send_events: bool = True
+
+    @property
+    def effective_renew_interval(self) -> float:
+        return self.renew_interval if self.renew_interval is not None else self.ttl / 3
+
+    @property
+    def effective_margin(self) -> float:
+        return self.self_fence_margin if self.self_fence_margin is not None else self.ttl / 4
+
+    @classmethod
+    def resolve(cls, conf: Any, overrides: dict[str, Any] | None = None) -> LeaseSettings:
+        """Build settings from ``app.conf`` (``lease_<name>`` keys) and per-task overrides.
+
+        Raises:
+            LeaseConfigError: a value is of the wrong type or out of range (key named).
+        """
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = conf.get(f"lease_{f.name}") if conf is not None else None
+            if value is not None:
+                values[f.name] = value
+        for name, value in (overrides or {}).items():
+            if value is not None:
+                values[name] = value
+        return cls._validated(values)
+
+    @classmethod
+    def _validated(cls, values: dict[str, Any]) -> LeaseSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            name = sorted(unknown)[0]
+            raise LeaseConfigError(
+                f"unknown lease setting {name!r}; known settings: {', '.join(sorted(known))}"
+            )
+        for name in (
+            "ttl",
+            "max_runtime",
+            "busy_backoff_base",
+            "busy_backoff_cap",
+            "lost_retry_delay",
+        ):
+            if name in values:
+                values[name] = _positive(name, values[name])
+        for name in ("renew_interval", "self_fence_margin"):
+            if name in values:
+                values[name] = _positive(name, values[name])
+        if "busy_backoff_jitter" in values:
+            jitter = values["busy_backoff_jitter"]
+            if not _number(jitter) or not 0 <= jitter <= 1:
+                raise LeaseConfigError(
+                    f"lease_busy_backoff_jitter={show_value(jitter)} must be a number in [0, 1]"
+                )
+        for name in ("busy_max_waits", "lost_max_retries"):
+            if name in values:
+                value = values[name]
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise LeaseConfigError(
+                        f"lease_{name}={show_value(value)} must be a whole number >= 0"
+                    )
+        if values.get("on_busy", "retry") not in ON_BUSY:
+            raise LeaseConfigError(
+                f"lease_on_busy={show_value(values['on_busy'])} must be one of "
+                f"{', '.join(map(repr, ON_BUSY))}"
+            )
+        for name in ("store_url", "key_prefix", "table_prefix"):
+            if name in values and not isinstance(values[name], str):
+                raise LeaseConfigError(f"lease_{name}={show_value(values[name])} must be a string")
+        if "store_options" in values and not isinstance(values["store_options"], dict):
+            raise LeaseConfigError("lease_store_options must be a dict of store keyword options")
+        settings = cls(**values)
+        ttl = settings.ttl
+        if settings.effective_renew_interval >= ttl:
+            raise LeaseConfigError(
+                f"lease_renew_interval={settings.effective_renew_interval:g} must be shorter "
+                f"than lease_ttl={ttl:g} (a third of it is the default)"
+            )
+        if settings.effective_margin >= ttl - settings.effective_renew_interval * 0.5:
+            raise LeaseConfigError(
+                f"lease_self_fence_margin={settings.effective_margin:g} leaves no time to act "
+                f"within lease_ttl={ttl:g} after a renewal; use about a quarter of the ttl"
+            )
+        return settings
+
+
+def _number(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(float(value))
+    )
+
+
+def _positive(name: str, value: Any) -> float:
+    if not _number(value) or value <= 0:
+        raise LeaseConfigError(
+            f"lease_{name}={show_value(value)} must be a positive number of seconds"
+        )
+    return float(value)
+
+
+#: One line per setting, for the docs and ``celery -A proj lease settings``.
+SETTINGS_DOC = {
+    "store_url": "where leases live: redis://, rediss://, unix://, postgresql+psycopg://, "
+    "sqlite:///path (required; never falls back to the broker URL)",
+    "ttl": "seconds a claim or renewal keeps the lease alive without further renewal (60)",
+    "renew_interval": "seconds between renewals of a held lease (ttl / 3)",
+    "self_fence_margin": "the owner stops acting this many seconds before ttl runs out since "
+    "the last renewal it sent (ttl / 4)",
+    "max_runtime": "hard cap on the total time one execution may hold a lease (3600)",
+    "on_busy": "what a task does when its resource is held: retry | skip | fail (retry)",
+    "busy_backoff_base": "first busy wait in seconds, doubled per wait (1)",
+    "busy_backoff_cap": "longest busy wait in seconds; also kept below half the broker's "
+    "visibility_timeout (60)",
+    "busy_backoff_jitter": "fraction of each busy wait that is random, 0..1 (0.5)",
+    "busy_max_waits": "busy waits allowed before the task fails with LeaseBusyError; "
+    "separate from max_retries (1000)",
+    "lost_max_retries": "re-runs after a lost lease before the task fails with "
+    "LeaseLostError; separate from max_retries (5)",
+    "lost_retry_delay": "seconds before a task whose lease was lost runs again (1)",
+    "key_prefix": "Redis key prefix (celery_lease:)",
+    "table_prefix": "SQL table name prefix (celery_lease_)",
+    "store_options": "extra keyword options for the store constructor ({})",
+    "allow_direct_call": "calling the task function directly runs it without a lease (False)",
+    "send_events": "send task-lease-* events when the worker sends task events (True)",
+}

@@ -1,0 +1,479 @@
+"""LeaseTask and @lease_task: claim before the body runs, renew while it runs, release after.
+
+The claim happens in ``Task.__call__``, in the thread that runs the body, inside one
+try/finally that also releases: it is the only hook that sees success, failure, retry, ignore,
+reject and time limits alike (``task_prerun`` cannot veto; ``after_return`` is skipped on retry).
+
+Outcomes:
+* resource busy: re-queued with a jittered, capped backoff (``on_busy="retry"``), skipped
+  (``"skip"``) or failed (``"fail"``); busy waits have their own budget, not ``max_retries``.
+* lease lost while running (taken over, renewal failed past the self-fence deadline, runtime
+  cap): the body is interrupted and the task goes to RETRY with :class:`LeaseLostError`, never
+  SUCCESS; lost-lease re-runs have their own budget too.
+* eager (``apply()``) and direct calls never spin: a busy or lost lease raises at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import socket
+import string
+import time
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import fields
+from functools import partial
+from typing import Any, TypeVar
+
+from celery import Task, shared_task
+from celery._state import _task_stack
+from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
+
+from . import _events as events
+from ._app import get_store, install
+from ._errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseLostError
+from ._interrupt import Interrupter
+from ._lease import Lease, Owner
+from ._names import show_value, validate_resource
+from ._renewer import Hold, get_renewer
+from ._settings import LeaseSettings
+
+__all__ = ["LeaseTask", "current_lease", "lease_task"]
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+SETTING_NAMES = tuple(f.name for f in fields(LeaseSettings))
+WAITS_HEADER = "celery_lease_waits"
+LOST_HEADER = "celery_lease_lost_retries"
+
+_current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
+_formatter = string.Formatter()
+
+
+def current_lease() -> Lease:
+    """The lease held by the task execution that is running here.
+
+    Works anywhere in the task's call stack (a context variable), also in eager mode.
+
+    Raises:
+        LeaseError: no lease task execution is running in this context.
+    """
+    lease = _current.get()
+    if lease is None:
+        raise LeaseError(
+            "no lease is held here: current_lease() works inside the execution of a "
+            "@lease_task / LeaseTask"
+        )
+    return lease
+
+
+class LeaseTask(Task):  # type: ignore[misc]
+    """A Celery task that runs its body only while it holds a lease on its resource.
+
+    Set ``lease_resource`` (a ``str.format`` template over the task's arguments, or a callable
+    taking them) and optionally any ``lease_<setting>`` attribute to override the app's
+    ``lease_<setting>``. See ``docs/settings.md``.
+    """
+
+    #: The resource template (``"browser/account-{account_id}"``) or a callable.
+    lease_resource: str | Callable[..., str] | None = None
+    lease_store_url: str | None = None
+    lease_ttl: float | None = None
+    lease_renew_interval: float | None = None
+    lease_self_fence_margin: float | None = None
+    lease_max_runtime: float | None = None
+    lease_on_busy: str | None = None
+    lease_busy_backoff_base: float | None = None
+    lease_busy_backoff_cap: float | None = None
+    lease_busy_backoff_jitter: float | None = None
+    lease_busy_max_waits: int | None = None
+    lease_lost_max_retries: int | None = None
+    lease_lost_retry_delay: float | None = None
+    lease_key_prefix: str | None = None
+    lease_table_prefix: str | None = None
+    lease_store_options: dict[str, Any] | None = None
+    lease_allow_direct_call: bool | None = None
+    lease_send_events: bool | None = None
+
+    _lease_settings_cache: LeaseSettings | None = None
+    _lease_signature: inspect.Signature | None = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        install(app)
+        LeaseSettings.resolve(None, cls._lease_overrides())  # bad overrides fail at import
+
+    @classmethod
+    def _lease_overrides(cls) -> dict[str, Any]:
+        return {name: getattr(cls, f"lease_{name}", None) for name in SETTING_NAMES}
+
+    @property
+    def lease_settings(self) -> LeaseSettings:
+        """This task's resolved settings (app ``lease_*`` keys overlaid with its own)."""
+        settings = self._lease_settings_cache
+        if settings is None:
+            settings = LeaseSettings.resolve(self.app.conf, self._lease_overrides())
+            self._lease_settings_cache = settings
+        return settings
+
+    # -- the resource --------------------------------------------------------------------------
+    def lease_resource_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The resource name for one call, from ``lease_resource`` and the call's arguments.
+
+        Raises:
+            LeaseConfigError: no resource is configured, an argument the template needs is
+                missing or None, or the result is not a valid resource name.
+        """
+        # A function stored on the class would come back as a bound method: read it raw.
+        spec = inspect.getattr_static(self, "lease_resource", None)
+        if isinstance(spec, (staticmethod, classmethod)):
+            spec = spec.__func__
+        if spec is None:
+            raise LeaseConfigError(
+                f"task {self.name!r} has no lease resource: pass resource= to @lease_task or "
+                "set lease_resource on the LeaseTask subclass"
+            )
+        if callable(spec):
+            value = spec(*args, **kwargs)
+            if value is None:
+                raise LeaseConfigError(
+                    f"the lease resource callable of task {self.name!r} returned None"
+                )
+            return validate_resource(value)
+        mapping = self._bound_arguments(args, kwargs)
+        for _, field, _, _ in _formatter.parse(spec):
+            if field is None:
+                continue
+            if field == "" or field.split(".")[0].split("[")[0].isdigit():
+                raise LeaseConfigError(
+                    f"lease resource template {spec!r} of task {self.name!r} uses a positional "
+                    "field; name the argument instead, e.g. {account_id}"
+                )
+            try:
+                value, _ = _formatter.get_field(field, (), mapping)
+            except (KeyError, AttributeError, IndexError, TypeError) as exc:
+                raise LeaseConfigError(
+                    f"lease resource template {spec!r} of task {self.name!r} needs {field!r}, "
+                    f"which this call does not provide ({type(exc).__name__}: {exc}); "
+                    f"arguments given: {sorted(mapping)}"
+                ) from None
+            if value is None:
+                raise LeaseConfigError(
+                    f"lease resource template {spec!r} of task {self.name!r}: argument "
+                    f"{field!r} is None; pass a value or make the resource a callable"
+                )
+        try:
+            resource = spec.format_map(mapping)
+        except (ValueError, KeyError) as exc:
+            raise LeaseConfigError(
+                f"lease resource template {spec!r} of task {self.name!r} is malformed: {exc}"
+            ) from None
+        try:
+            return validate_resource(resource)
+        except LeaseConfigError as exc:
+            raise LeaseConfigError(
+                f"task {self.name!r}: resource template {spec!r} gave {show_value(resource)}, "
+                f"which is not a valid resource name ({exc})"
+            ) from None
+
+    def _bound_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        signature = self._lease_signature
+        if signature is None:
+            signature = inspect.signature(self.run)
+            self._lease_signature = signature
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise LeaseConfigError(
+                f"task {self.name!r} was called with arguments that do not match its "
+                f"signature {signature}: {exc}"
+            ) from None
+        bound.apply_defaults()
+        mapping: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                mapping.update(value)
+            else:
+                mapping[name] = value
+        return mapping
+
+    # -- the execution ------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        settings = self.lease_settings
+        direct = bool(request.called_directly)
+        if direct and settings.allow_direct_call:
+            return super().__call__(*args, **kwargs)
+        resource = self.lease_resource_for(args, kwargs)
+        store = get_store(self.app, settings)
+        owner = Owner.new(_owner_label(request))
+        try:
+            lease = store.acquire(resource, owner, settings.ttl)
+        except LeaseBusyError as busy:
+            return self._lease_busy(busy, settings)
+        events.count("celery_lease_claims_total")
+        lease.margin = settings.effective_margin
+        if lease.recovered:
+            events.count("celery_lease_takeovers_total")
+            log.warning(
+                "task %s[%s] took over %r (fence %d) from %r (fence %s), whose lease expired "
+                "without release",
+                self.name,
+                request.id,
+                resource,
+                lease.fence,
+                lease.previous_owner_label,
+                lease.previous_fence,
+            )
+            self._lease_event(
+                "task-lease-recovered",
+                resource=resource,
+                fence=lease.fence,
+                previous_owner=lease.previous_owner_label,
+                previous_fence=lease.previous_fence,
+            )
+        return self._run_leased(lease, settings, args, kwargs, direct)
+
+    def _run_leased(
+        self,
+        lease: Lease,
+        settings: LeaseSettings,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        direct: bool,
+    ) -> Any:
+        renewer = get_renewer()
+        interrupter = Interrupter()
+        context_token = _current.set(lease)
+        started = time.monotonic()
+        hold: Hold | None = None
+        try:
+            try:
+                interrupter.arm()
+                hold = renewer.hold(
+                    lease,
+                    interval=settings.effective_renew_interval,
+                    max_runtime=settings.max_runtime,
+                    on_lost=partial(
+                        self._lease_lost_in_flight,
+                        interrupter,
+                        self.request.id,
+                        self.request.hostname,
+                    ),
+                )
+                result = self._invoke_body(lease, args, kwargs, direct)
+                interrupter.disarm()
+                lease.check()  # never report success for a lease known lost or past deadline
+            except LeaseLostError as exc:
+                interrupter.disarm()
+                lost = lease.lost or lease.mark_lost(exc)
+                return self._lease_lost(lost, lease, settings)
+            except SoftTimeLimitExceeded:
+                interrupter.disarm()
+                if lease.lost is not None:
+                    return self._lease_lost(lease.lost, lease, settings)
+                raise
+            except BaseException:
+                interrupter.disarm()
+                raise
+        finally:
+            if hold is not None:
+                renewer.drop(hold)
+            _current.reset(context_token)
+            self._release(lease)
+            events.observe_hold(time.monotonic() - started)
+        return result
+
+    def _invoke_body(
+        self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool
+    ) -> Any:
+        if not direct:
+            # The worker (or apply()) already pushed this execution's request.
+            self.request.lease = lease
+            return self.run(*args, **kwargs)
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs, lease=lease)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+
+    def _release(self, lease: Lease) -> None:
+        assert lease.store is not None
+        try:
+            if lease.store.release(lease):
+                events.count("celery_lease_releases_total")
+        except LeaseError as exc:
+            log.warning(
+                "could not release %r (it expires by itself within its ttl): %s", lease, exc
+            )
+
+    # -- busy and lost ------------------------------------------------------------------------
+    def _lease_busy(self, busy: LeaseBusyError, settings: LeaseSettings) -> Any:
+        events.count("celery_lease_claim_conflicts_total")
+        request = self.request
+        if request.is_eager or request.called_directly or settings.on_busy == "fail":
+            raise busy
+        if settings.on_busy == "skip":
+            log.warning("task %s[%s] skipped: %s", self.name, request.id, busy)
+            self._lease_event("task-lease-busy", action="skip", **_busy_fields(busy))
+            raise Ignore(str(busy))
+        waits = int(request.get(WAITS_HEADER) or 0)
+        if waits >= settings.busy_max_waits:
+            raise LeaseBusyError(
+                f"{busy} (gave up after {waits} busy waits; raise lease_busy_max_waits to wait "
+                "longer)",
+                *busy.args[1:],
+            )
+        delay = self._busy_delay(waits, settings)
+        events.count("celery_lease_busy_waits_total")
+        log.info(
+            "task %s[%s] waits %.2fs (wait %d): %s", self.name, request.id, delay, waits + 1, busy
+        )
+        self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
+        return self._requeue(busy, delay, WAITS_HEADER, waits + 1)
+
+    def _busy_delay(self, waits: int, settings: LeaseSettings) -> float:
+        cap = settings.busy_backoff_cap
+        options = self.app.conf.get("broker_transport_options") or {}
+        visibility = options.get("visibility_timeout")
+        if visibility:
+            # A countdown longer than the visibility timeout would be redelivered early.
+            cap = min(cap, float(visibility) / 2)
+        delay = min(cap, settings.busy_backoff_base * (2 ** min(waits, 30)))
+        return float(delay * (1 - settings.busy_backoff_jitter * random.random()))
+
+    def _lease_lost(self, lost: LeaseLostError, lease: Lease, settings: LeaseSettings) -> Any:
+        request = self.request
+        events.count("celery_lease_leases_lost_total")
+        log.warning("task %s[%s]: %s", self.name, request.id, lost)
+        if request.is_eager or request.called_directly:
+            raise lost
+        retries = int(request.get(LOST_HEADER) or 0)
+        if retries >= settings.lost_max_retries:
+            raise LeaseLostError(
+                f"{lost} (gave up after {retries} re-runs; raise lease_lost_max_retries)",
+                *lost.args[1:],
+            )
+        return self._requeue(lost, settings.lost_retry_delay, LOST_HEADER, retries + 1)
+
+    def _lease_lost_in_flight(
+        self,
+        interrupter: Interrupter,
+        task_id: str | None,
+        hostname: str | None,
+        hold: Hold,
+        error: LeaseLostError,
+    ) -> None:
+        """Renewer callback: the lease is gone while the body runs. Stop the body."""
+        lease = hold.lease
+        log.warning("lease lost while task %s[%s] runs: %s", self.name, task_id, error)
+        interrupter.interrupt()
+        self._lease_event(
+            "task-lease-lost",
+            task_id=task_id,
+            hostname=hostname,
+            resource=lease.resource,
+            fence=lease.fence,
+            reason=error.reason,
+            holder=error.holder_label,
+        )
+
+    def _requeue(self, exc: LeaseError, delay: float, header: str, value: int) -> Any:
+        """Send this execution again after ``delay`` without touching ``request.retries``."""
+        request = self.request
+        headers = dict(request.headers or {})
+        headers[header] = value
+        signature = self.signature_from_request(
+            request, countdown=delay, retries=request.retries or 0, headers=headers
+        )
+        signature.apply_async()
+        raise Retry(exc=exc, when=delay, sig=signature)
+
+    def _lease_event(
+        self,
+        type_: str,
+        task_id: str | None = None,
+        hostname: str | None = None,
+        **fields_: Any,
+    ) -> None:
+        if not self.lease_settings.send_events:
+            return
+        request = self.request
+        events.send_event(
+            self.app, hostname or request.hostname, task_id or request.id, type_, **fields_
+        )
+
+
+def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:
+    return {
+        "resource": busy.resource,
+        "holder": busy.holder_label,
+        "fence": busy.fence,
+        "expires_in": busy.expires_in,
+    }
+
+
+def _owner_label(request: Any) -> str:
+    host = request.hostname or socket.gethostname()
+    return f"{host}:{os.getpid()}:{request.id or 'direct'}"
+
+
+def lease_task(
+    *args: Any,
+    resource: str | Callable[..., str] | None = None,
+    app: Any = None,
+    base: type[LeaseTask] | None = None,
+    **options: Any,
+) -> Any:
+    """Register a function as a Celery task that runs under a lease on ``resource``.
+
+    Used like ``shared_task`` (or ``app.task`` when ``app`` is given)::
+
+        @lease_task(resource="browser/account-{account_id}", ttl=60, acks_late=True)
+        def drive_browser(account_id): ...
+
+    Args:
+        resource: a ``str.format`` template over the task's arguments (positional or keyword,
+            defaults applied, ``{obj.attr}`` allowed) or a callable taking the arguments.
+        app: register on this app instead of as a shared task.
+        base: a ``LeaseTask`` subclass to use as the base class.
+        **options: lease settings without the ``lease_`` prefix (``ttl``, ``on_busy``,
+            ``max_runtime``, ...) and every Celery task option (``bind``, ``acks_late``,
+            ``max_retries``, ``name``, ...).
+
+    Raises:
+        LeaseConfigError: no resource, a base that is not a LeaseTask, or a bad setting.
+    """
+    base = base or LeaseTask
+    if not (isinstance(base, type) and issubclass(base, LeaseTask)):
+        raise LeaseConfigError(f"base must be a LeaseTask subclass, got {show_value(base)}")
+    attrs: dict[str, Any] = {}
+    for name in SETTING_NAMES:
+        if name in options:
+            attrs[f"lease_{name}"] = options.pop(name)
+    if resource is not None:
+        if not (isinstance(resource, str) or callable(resource)):
+            raise LeaseConfigError(
+                f"resource must be a template string or a callable, got {show_value(resource)}"
+            )
+        attrs["lease_resource"] = resource
+    elif base.lease_resource is None:
+        raise LeaseConfigError(
+            "lease_task needs resource=, e.g. @lease_task(resource='invoice:{invoice_id}')"
+        )
+    LeaseSettings.resolve(
+        None, {k.removeprefix("lease_"): v for k, v in attrs.items() if k != "lease_resource"}
+    )
+    register = app.task if app is not None else shared_task
+    decorator = register(base=base, **attrs, **options)
+    if len(args) == 1 and callable(args[0]) and not options:
+        return decorator(args[0])
+    if args:
+        raise LeaseConfigError("lease_task takes keyword arguments only (resource=..., ttl=...)")
+    return decorator

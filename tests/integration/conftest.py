@@ -1,0 +1,90 @@
+"""Fixtures for tests with real ``celery worker`` processes and a real Redis broker."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import unique
+from tests.integration.harness import Events, Worker
+
+pytestmark = pytest.mark.integration
+
+
+def _db(url: str, db: int) -> str:
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
+@pytest.fixture(scope="session")
+def it_app(redis_server: Any) -> Any:
+    """The integration app module, pointed at the session Redis as broker and backend."""
+    os.environ["CL_BROKER"] = _db(redis_server.url, 0)
+    os.environ["CL_BACKEND"] = _db(redis_server.url, 2)
+    os.environ["CL_COORD"] = _db(redis_server.url, 3)
+    module = importlib.import_module("tests.integration.worker_app")
+    module.app.conf.broker_url = os.environ["CL_BROKER"]
+    module.app.conf.result_backend = os.environ["CL_BACKEND"]
+    return module
+
+
+@pytest.fixture
+def coord(redis_server: Any) -> redis.Redis:
+    return redis.Redis.from_url(_db(redis_server.url, 3))
+
+
+@pytest.fixture
+def events(coord: redis.Redis) -> Events:
+    return Events(coord, f"events-{unique()}")
+
+
+@pytest.fixture
+def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], dict[str, str]]:
+    """Environment variables that point workers at a fresh store of the given kind."""
+
+    def make(kind: str) -> dict[str, str]:
+        prefix = unique("it")
+        if kind == "redis":
+            server = request.getfixturevalue("redis_server")
+            return {"CL_STORE": _db(server.url, 1), "CL_PREFIX": f"{prefix}:"}
+        if kind == "postgres":
+            server = request.getfixturevalue("postgres_server")
+            return {"CL_STORE": server.url, "CL_TABLE_PREFIX": f"{prefix}_"}
+        if kind == "sqlite":
+            return {"CL_STORE": f"sqlite:///{tmp_path}/leases.db", "CL_TABLE_PREFIX": "it_"}
+        raise ValueError(kind)
+
+    return make
+
+
+@pytest.fixture
+def start_worker(it_app: Any, events: Events, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """Start real worker processes; all are stopped (by PID) when the test ends."""
+    started: list[Worker] = []
+
+    def start(env: dict[str, str], *, queue: str, **options: Any) -> Worker:
+        full_env = {
+            "CL_BROKER": os.environ["CL_BROKER"],
+            "CL_BACKEND": os.environ["CL_BACKEND"],
+            "CL_COORD": os.environ["CL_COORD"],
+            "CL_EVENTS": events.key,
+            **env,
+        }
+        name = options.pop("name", None) or unique("w")
+        worker = Worker(full_env, name=name, queue=queue, logdir=tmp_path, **options)
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def queue() -> str:
+    return unique("q")

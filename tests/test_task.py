@@ -1,0 +1,292 @@
+"""LeaseTask and @lease_task in one process: templates, settings, eager and direct calls.
+
+These run the task through Celery's own ``apply()`` (eager) and direct calls against real
+stores; the behaviour inside real workers is covered by ``tests/integration``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from dataclasses import dataclass
+
+import pytest
+from celery import Celery
+
+from celery_lease import (
+    LeaseBusyError,
+    LeaseConfigError,
+    LeaseError,
+    LeaseLostError,
+    LeaseTask,
+    Owner,
+    StaleFenceError,
+    current_lease,
+    lease_task,
+)
+from celery_lease._app import get_store
+from celery_lease._errors import LeaseStoreError
+from celery_lease._settings import LeaseSettings
+from tests.conftest import unique
+
+
+@pytest.fixture
+def app(request, tmp_path):
+    """A Celery app in eager-friendly mode whose leases live in a real SQLite store."""
+    app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+    app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+    app.conf.lease_ttl = 5
+    return app
+
+
+@dataclass
+class Account:
+    id: int
+
+
+class TestResourceTemplates:
+    def test_template_binds_positional_keyword_and_default_arguments(self, app):
+        """Arguments bind through the signature, defaults applied, attributes allowed."""
+
+        @lease_task(app=app, resource="browser/{account.id}-{region}-{tier}")
+        def drive(account, region, tier="basic"):
+            return current_lease().resource
+
+        assert drive.apply((Account(42), "eu")).get() == "browser/42-eu-basic"
+        assert drive.apply((), {"account": Account(7), "region": "us", "tier": "pro"}).get() == (
+            "browser/7-us-pro"
+        )
+
+    def test_var_keyword_arguments_are_visible_to_the_template(self, app):
+        """Keys passed through **kwargs can be named in the template."""
+
+        @lease_task(app=app, resource="job:{job_id}")
+        def run(**options):
+            return current_lease().resource
+
+        assert run.apply((), {"job_id": 9}).get() == "job:9"
+
+    def test_callable_resource(self, app):
+        """A callable gets the task's arguments and returns the name."""
+
+        @lease_task(app=app, resource=lambda a, b: f"pair:{min(a, b)}-{max(a, b)}")
+        def pair(a, b):
+            return current_lease().resource
+
+        assert pair.apply((5, 3)).get() == "pair:3-5"
+
+    @pytest.mark.parametrize(
+        ("args", "needle"),
+        [((), "needs 'account_id'"), ((None,), "is None"), (("a b",), "not a valid")],
+    )
+    def test_bad_resource_values_fail_before_anything_runs(self, app, args, needle):
+        """Missing, None or unsafe values raise LeaseConfigError naming the argument."""
+        ran = []
+
+        @lease_task(app=app, resource="acct-{account_id}")
+        def task(*account_id_or_nothing, **_):
+            ran.append(1)
+
+        @lease_task(app=app, resource="acct-{account_id}", name=unique("t"))
+        def named(account_id=None):
+            ran.append(1)
+
+        target = task if needle.startswith("needs") else named
+        with pytest.raises(LeaseConfigError, match=needle):
+            target.apply(args, throw=True)
+        assert ran == []
+
+    def test_positional_fields_are_refused(self, app):
+        """{0} is ambiguous across calls; the error says to name the argument."""
+
+        @lease_task(app=app, resource="x-{0}")
+        def task(a):
+            pass
+
+        with pytest.raises(LeaseConfigError, match="positional"):
+            task.apply((1,), throw=True)
+
+
+class TestSettings:
+    def test_task_overrides_app_defaults(self, app):
+        """Decorator keywords win over app.conf lease_* keys, which win over defaults."""
+        app.conf.lease_on_busy = "fail"
+
+        @lease_task(app=app, resource="r", ttl=9, max_runtime=30)
+        def task():
+            pass
+
+        settings = task.lease_settings
+        assert (settings.ttl, settings.max_runtime, settings.on_busy) == (9.0, 30.0, "fail")
+        assert settings.effective_renew_interval == 3.0
+        assert settings.effective_margin == 2.25
+
+    @pytest.mark.parametrize(
+        ("options", "needle"),
+        [
+            ({"ttl": 0}, "lease_ttl"),
+            ({"ttl": "60"}, "lease_ttl"),
+            ({"on_busy": "wait"}, "lease_on_busy"),
+            ({"ttl": 10, "renew_interval": 10}, "lease_renew_interval"),
+            ({"busy_backoff_jitter": 2}, "jitter"),
+            ({"busy_max_waits": -1}, "busy_max_waits"),
+        ],
+    )
+    def test_bad_settings_name_the_key(self, app, options, needle):
+        """Bad values fail at decoration time with the key in the message."""
+        with pytest.raises(LeaseConfigError, match=needle):
+
+            @lease_task(app=app, resource="r", **options)
+            def task():
+                pass
+
+    def test_unknown_app_setting_is_refused(self):
+        """A typo in an override is caught."""
+        with pytest.raises(LeaseConfigError, match="unknown lease setting 'tll'"):
+            LeaseSettings.resolve(None, {"tll": 5})
+
+    def test_missing_store_url_is_a_clear_error(self, app):
+        """No lease_store_url: no fallback to the broker, a message saying what to set."""
+        app.conf.lease_store_url = None
+
+        @lease_task(app=app, resource="r")
+        def task():
+            pass
+
+        with pytest.raises(LeaseConfigError, match="lease_store_url is not set"):
+            task.apply(throw=True)
+
+    def test_resource_is_required(self):
+        """@lease_task without resource= (and no base providing one) is refused."""
+        with pytest.raises(LeaseConfigError, match="resource="):
+            lease_task(ttl=5)
+
+    def test_base_must_be_a_lease_task(self):
+        from celery import Task
+
+        with pytest.raises(LeaseConfigError, match="LeaseTask subclass"):
+            lease_task(resource="r", base=Task)
+
+
+class TestEagerAndDirect:
+    def test_eager_run_claims_a_real_lease_and_releases_it(self, app):
+        """apply() holds a real lease visible in the store, released afterwards."""
+        seen = {}
+
+        @lease_task(app=app, resource="inv:{n}", bind=True)
+        def task(self, n):
+            lease = current_lease()
+            assert self.request.lease is lease
+            seen["info"] = get_store(app).get(lease.resource)
+            return lease.fence
+
+        fence = task.apply((1,)).get()
+        assert seen["info"].fence == fence
+        assert get_store(app).get("inv:1") is None
+
+    def test_eager_busy_raises_at_once(self, app):
+        """A held resource in eager mode raises LeaseBusyError instead of spinning."""
+
+        @lease_task(app=app, resource="inv:{n}")
+        def task(n):
+            pass
+
+        store = get_store(app)
+        held = store.acquire("inv:2", Owner.new("someone-else"), 30)
+        result = task.apply((2,))
+        assert isinstance(result.result, LeaseBusyError)
+        assert "someone-else" in str(result.result)
+        store.release(held)
+
+    def test_direct_call_claims_like_any_execution(self, app):
+        """task(...) holds a lease unless allow_direct_call is set."""
+
+        @lease_task(app=app, resource="d:{n}", bind=True)
+        def task(self, n):
+            assert self.request.lease is current_lease()
+            return current_lease().fence
+
+        @lease_task(app=app, resource="d:{n}", allow_direct_call=True)
+        def free(n):
+            with pytest.raises(LeaseError, match="no lease is held"):
+                current_lease()
+            return "no lease"
+
+        assert task(1) >= 1
+        held = get_store(app).acquire("d:1", Owner.new("other"), 30)
+        with pytest.raises(LeaseBusyError):
+            task(1)
+        assert free(1) == "no lease"
+        get_store(app).release(held)
+
+    def test_lost_lease_in_eager_mode_raises(self, app):
+        """A lease taken away mid-body ends an eager run with LeaseLostError."""
+
+        @lease_task(app=app, resource="l:{n}")
+        def task(n):
+            get_store(app).force_release(current_lease().resource)
+            current_lease().guard()
+
+        result = task.apply((1,))
+        assert isinstance(result.result, LeaseLostError)
+        assert "l:1" in str(result.result)
+
+    def test_body_result_is_not_success_when_the_lease_was_lost(self, app):
+        """A body that swallows the loss still does not end in success."""
+
+        @lease_task(app=app, resource="s:{n}")
+        def task(n):
+            lease = current_lease()
+            get_store(app).force_release(lease.resource)
+            with contextlib.suppress(LeaseLostError):
+                lease.guard()
+            return "pretend all is well"
+
+        result = task.apply((1,))
+        assert isinstance(result.result, LeaseLostError)
+
+    def test_current_lease_outside_a_task(self):
+        with pytest.raises(LeaseError, match="no lease is held"):
+            current_lease()
+
+    def test_subclassing_lease_task(self, app):
+        """class X(LeaseTask) with lease_* attributes works like the decorator."""
+
+        class Billing(LeaseTask):
+            lease_resource = "invoice:{invoice_id}"
+            lease_ttl = 7
+
+        @app.task(base=Billing, bind=True)
+        def charge(self, invoice_id):
+            return (current_lease().resource, current_lease().ttl)
+
+        assert charge.apply((17,)).get() == ("invoice:17", 7.0)
+
+
+class TestErrors:
+    @pytest.mark.parametrize(
+        "error",
+        [
+            LeaseBusyError.held("r", "host:1:task", 7, 2.5),
+            LeaseLostError.lost("r", 7, "taken_over", "other", 8),
+            StaleFenceError.rejected("k", 3, 9),
+            LeaseStoreError("down"),
+            LeaseConfigError("bad"),
+            LeaseError("root"),
+        ],
+    )
+    def test_errors_survive_pickling_and_rebuilding_from_args(self, error):
+        """Celery rebuilds exceptions with cls(*exc.args); pickling must round-trip too."""
+        rebuilt = type(error)(*error.args)
+        unpickled = pickle.loads(pickle.dumps(error))
+        for copy in (rebuilt, unpickled):
+            assert type(copy) is type(error)
+            assert str(copy) == str(error)
+            assert copy.args == error.args
+        assert isinstance(error, LeaseError)
+
+    def test_messages_name_resource_fence_and_holder(self):
+        busy = LeaseBusyError.held("browser/account-42", "w1@host:123:abc", 17, 3.0)
+        assert all(s in str(busy) for s in ("browser/account-42", "w1@host:123:abc", "17"))
+        lost = LeaseLostError.lost("invoice:17", 4, "taken_over", "w2@host:9:def", 5)
+        assert all(s in str(lost) for s in ("invoice:17", "4", "w2@host:9:def", "taken_over"))
