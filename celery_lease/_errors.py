@@ -108,7 +108,7 @@ class LeaseLostError(LeaseError):
         fence: the fence this owner held.
         holder_label: who holds the resource now, when known.
         reason: a short machine-readable cause (``expired``, ``taken_over``, ``released``,
-            ``self_fenced``, ``max_runtime``, ``renew_failed``, ``store_reset``).
+            ``self_fenced``, ``max_runtime``, ``renew_failed``, ``store_reset``, ``stale_fence``).
     """
 
     def __init__(

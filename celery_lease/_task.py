@@ -34,7 +34,14 @@ from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 
 from . import _events as events
 from ._app import get_store, install
-from ._errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseLostError
+from ._errors import (
+    LeaseBusyError,
+    LeaseConfigError,
+    LeaseError,
+    LeaseLostError,
+    LeaseStoreError,
+    StaleFenceError,
+)
 from ._interrupt import Interrupter
 from ._lease import Lease, Owner
 from ._names import show_value, validate_resource
@@ -215,6 +222,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease = store.acquire(resource, owner, settings.ttl)
         except LeaseBusyError as busy:
             return self._lease_busy(busy, settings)
+        except LeaseStoreError as exc:
+            # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
+            return self._store_down(exc, settings)
         events.count("celery_lease_claims_total")
         lease.margin = settings.effective_margin
         if lease.recovered:
@@ -271,6 +281,14 @@ class LeaseTask(Task):  # type: ignore[misc]
             except LeaseLostError as exc:
                 interrupter.disarm()
                 lost = lease.lost or lease.mark_lost(exc)
+                return self._lease_lost(lost, lease, settings)
+            except StaleFenceError as exc:
+                # A side effect saw a newer fence: a newer owner exists, our lease is lost.
+                interrupter.disarm()
+                lost = lease.lost or lease.mark_lost(
+                    LeaseLostError.lost(lease.resource, lease.fence, "stale_fence")
+                )
+                log.warning("task %s[%s]: %s", self.name, self.request.id, exc)
                 return self._lease_lost(lost, lease, settings)
             except SoftTimeLimitExceeded:
                 interrupter.disarm()
@@ -337,6 +355,24 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         return self._requeue(busy, delay, WAITS_HEADER, waits + 1)
+
+    def _store_down(self, exc: LeaseStoreError, settings: LeaseSettings) -> Any:
+        """The store failed at claim time: wait and try again like a busy resource."""
+        request = self.request
+        if request.is_eager or request.called_directly:
+            raise exc
+        waits = int(request.get(WAITS_HEADER) or 0)
+        if waits >= settings.busy_max_waits:
+            raise exc
+        delay = self._busy_delay(waits, settings)
+        log.warning(
+            "task %s[%s] could not claim its lease, retrying in %.2fs: %s",
+            self.name,
+            request.id,
+            delay,
+            exc,
+        )
+        return self._requeue(exc, delay, WAITS_HEADER, waits + 1)
 
     def _busy_delay(self, waits: int, settings: LeaseSettings) -> float:
         cap = settings.busy_backoff_cap
