@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._app import install
 from ._errors import (
     LeaseBusyError,
     LeaseConfigError,
@@ -32,6 +33,7 @@ __all__ = [
     "StaleFenceError",
     "__version__",
     "current_lease",
+    "install",
     "lease_task",
     "store_from_url",
 ]

@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e .
-exec .venv/bin/python -m example_project.store_demo
+exec .venv/bin/python -m example_project.run

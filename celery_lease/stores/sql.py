@@ -420,7 +420,9 @@ class SQLLeaseStore(BaseLeaseStore):
 
         for _ in range(3):
             row = self._run(f"fence gate admit of {key!r}", work)
-            if row is not None:  # None: a racing first insert not visible to our snapshot yet
+            # None, or a refusal citing a fence our snapshot saw as lower than ours: a racing
+            # admit committed a higher fence after our snapshot; ask again to report it.
+            if row is not None and (row[0] or int(row[1]) > int(fence)):
                 return bool(row[0]), int(row[1])
         raise LeaseStoreError(f"fence gate admit of {key!r} kept racing a concurrent insert")
 
