@@ -9,7 +9,9 @@
     ├── StaleFenceError         a side effect saw a fence older than the newest it accepted
     ├── LeaseStoreError         the store could not be reached or answered with an error;
     │                           the outcome of the operation is unknown
-    └── LeaseConfigError        bad input or settings: the message names the value and the fix
+    ├── LeaseConfigError        bad input or settings: the message names the value and the fix
+    ├── IdentityDoneError       the task identity already completed (a duplicate delivery)
+    └── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
 
 Every error keeps its whole state in ``args`` (the message first, then plain JSON-friendly
 values), so it survives pickling and ``cls(*exc.args)``, which is how Celery rebuilds an
@@ -22,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "EffectUnresolvedError",
+    "IdentityDoneError",
     "LeaseBusyError",
     "LeaseConfigError",
     "LeaseError",
@@ -183,3 +187,48 @@ class StaleFenceError(LeaseError):
             fence,
             highest,
         )
+
+
+class IdentityDoneError(LeaseError):
+    """The task identity already completed: this message is a duplicate and must not run.
+
+    Raised by a store's ``acquire(..., identity=...)``; the task layer turns it into a SUCCESS
+    with the recorded result. Attributes: ``resource``, ``identity``, ``fence`` (of the run that
+    completed it) and ``result`` (its return value as JSON text, or None).
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        resource: str | None = None,
+        identity: str | None = None,
+        fence: int | None = None,
+        result: str | None = None,
+    ) -> None:
+        super().__init__(message, resource, identity, fence, result)
+        self.resource = resource
+        self.identity = identity
+        self.fence = fence
+        self.result = result
+
+    @classmethod
+    def completed(
+        cls, resource: str, identity: str, fence: int | None, result: str | None
+    ) -> IdentityDoneError:
+        return cls(
+            f"identity {identity!r} on {resource!r} already completed (fence {fence}); "
+            "this delivery is a duplicate and returns the recorded result",
+            resource,
+            identity,
+            fence,
+            result,
+        )
+
+
+class EffectUnresolvedError(LeaseError):
+    """An effect was started by an earlier owner and never recorded done, and nothing says
+    whether it took place. Replaying it blindly could do it twice, so the task stops here.
+
+    Define ``reconcile_effect(self, key, lease)`` on the task to look at the outside world and
+    return the receipt (it happened) or ``REDO`` (it did not).
+    """

@@ -21,6 +21,7 @@ from ._errors import LeaseConfigError, LeaseLostError
 from ._names import clean_label, show_value
 
 if TYPE_CHECKING:
+    from ._ledger import Effect
     from .stores.base import LeaseStore
 
 __all__ = ["DEFAULT_MARGIN_FRACTION", "Lease", "LeaseInfo", "Owner", "from_micros"]
@@ -124,6 +125,9 @@ class Lease:
         previous_owner_label: str | None = None,
         previous_fence: int | None = None,
         margin: float | None = None,
+        identity: str | None = None,
+        identity_state: str | None = None,
+        checkpoints: dict[str, Any] | None = None,
     ) -> None:
         self.resource = resource
         self.owner = owner
@@ -135,6 +139,13 @@ class Lease:
         self.previous_owner_label = previous_owner_label
         self.previous_fence = previous_fence
         self.store = store
+        #: The task identity this lease runs (dedup and ledger key), or None.
+        self.identity = identity
+        #: The identity's state found by the claim: None (first run), "running" (an owner
+        #: vanished), "retry" or "failed" (an earlier attempt ended without completing).
+        self.identity_state = identity_state
+        #: Progress recorded by earlier owners of this identity (step -> data), oldest first.
+        self.checkpoints: dict[str, Any] = dict(checkpoints or {})
         # Monotonic time at which the last successful claim/renewal was *sent*: the lease was
         # certainly live from then on for ttl seconds of store time, so we may act until
         # sent + ttl - margin on our own clock whatever the reply latency was.
@@ -151,8 +162,31 @@ class Lease:
 
     @property
     def recovered(self) -> bool:
-        """True when this claim took over an expired lease whose owner never released it."""
+        """True when an earlier owner may have acted and did not finish: the claim took over an
+        expired lease that was never released, or found this identity begun and not done.
+        ``previous_owner_label`` and ``previous_fence`` name that owner."""
         return self.previous_fence is not None
+
+    # -- exactly-once helpers (need an identity) ----------------------------------------------
+    def effect(self, key: str) -> Effect:
+        """A ledgered side effect: runs at most once per identity and key, across owners.
+
+        ``receipt = lease.effect("charge:inv-42")(charge)`` (or use it as a decorator, or as a
+        context manager checking ``effect.done``). See :class:`celery_lease.Effect`.
+        """
+        from ._ledger import Effect
+
+        return Effect(self, key)
+
+    def checkpoint(self, step: str, data: Any = None) -> None:
+        """Record progress for this identity; a later owner reads it in ``checkpoints``.
+
+        Fenced: only the live owner can write (else LeaseLostError). ``data`` must be
+        JSON-serialisable.
+        """
+        from ._ledger import write_checkpoint
+
+        write_checkpoint(self, step, data)
 
     # -- self-fencing -----------------------------------------------------------------------
     @property

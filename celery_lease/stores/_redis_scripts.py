@@ -7,6 +7,11 @@ so no user input ever becomes part of a lease key name or pattern)::
     <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
     <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset)
     <prefix>{NN}:epoch     string server time (us) when this shard's data was first written
+    <prefix>{NN}:ids       hash   "<resource>|<identity>" -> "<state>\n<fence>\n<label>\n<result>"
+    <prefix>{NN}:ids_exp   zset   "<resource>|<identity>" -> when the record expires (us)
+    <prefix>{NN}:ckpt      hash   "<resource>|<identity>" -> "<fence>\n<checkpoints json>"
+    <prefix>{NN}:ledger    hash   "<resource>|<identity>|<key>" -> "<state>\n<fence>\n<receipt>"
+    <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
 
 ``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
 the key is validated by the resource-name rule (no braces, globs or spaces) before it is used.
@@ -28,17 +33,46 @@ local function fmt(n) return string.format('%.0f', n) end
 local function parse(rec)
   return string.match(rec, '^(%x+) (%d+) (%d+) (%d+) (.*)$')
 end
+local function parse_ident(rec)
+  return string.match(rec, '^([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+end
+-- drop up to two expired entries of a retention index and their records (bounded work)
+local function trim(index, now, hash1, hash2)
+  local old = redis.call('ZRANGEBYSCORE', index, '-inf', now, 'LIMIT', 0, 2)
+  for _, m in ipairs(old) do
+    redis.call('HDEL', hash1, m)
+    if hash2 then redis.call('HDEL', hash2, m) end
+    redis.call('ZREM', index, m)
+  end
+end
 """
 
 ACQUIRE = (
     """
--- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash, KEYS[4] epoch
--- ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us)
--- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil}
+-- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash, KEYS[4] epoch,
+-- KEYS[5] ids hash, KEYS[6] ids_exp zset, KEYS[7] ckpt hash
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us),
+-- ARGV[5] identity or '', ARGV[6] retention (us)
+-- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
+--          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil}
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch}
+--      or {2, fence, result} when the identity is already done (nothing claimed)
 """
     + _PRELUDE
     + """
+local member = ARGV[1] .. '|' .. ARGV[5]
+local ident, ist, ifence, ilabel = false, false, false, false
+if ARGV[5] ~= '' then
+  trim(KEYS[6], now, KEYS[5], KEYS[7])
+  ident = redis.call('HGET', KEYS[5], member)
+  local kept = redis.call('ZSCORE', KEYS[6], member)
+  if ident and (not kept or tonumber(kept) <= now) then ident = false end  -- past retention
+  if ident then
+    local result
+    ist, ifence, ilabel, result = parse_ident(ident)
+    if ist == 'done' then return {2, tonumber(ifence), result} end
+  end
+end
 local epoch = redis.call('GET', KEYS[4])
 if not epoch then
   epoch = fmt(now)
@@ -46,25 +80,39 @@ if not epoch then
 end
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local prev_label, prev_fence = false, false
+local fence = nil
+local acquired, exp = now, now + tonumber(ARGV[4])
 if cur then
   local tok, f, a, e, label = parse(cur)
   if tonumber(e) > now then
-    if tok == ARGV[2] then
-      -- the same claim retried after a lost reply: hand back the same lease
-      return {1, tonumber(f), tonumber(a), tonumber(e), epoch, false, false}
+    if tok ~= ARGV[2] then
+      return {0, label, tonumber(f), tonumber(e), now, epoch}
     end
-    return {0, label, tonumber(f), tonumber(e), now, epoch}
+    -- the same claim retried after a lost reply: hand back the same lease
+    fence, acquired, exp = tonumber(f), tonumber(a), tonumber(e)
+  else
+    prev_label, prev_fence = label, tonumber(f)
   end
-  prev_label, prev_fence = label, tonumber(f)
 end
-local fence = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') + 1
-if fence < now then fence = now end
-local exp = now + tonumber(ARGV[4])
-redis.call('HSET', KEYS[3], ARGV[1], fmt(fence))
-redis.call('HSET', KEYS[1], ARGV[1],
-  ARGV[2] .. ' ' .. fmt(fence) .. ' ' .. fmt(now) .. ' ' .. fmt(exp) .. ' ' .. ARGV[3])
-redis.call('ZADD', KEYS[2], exp, ARGV[1])
-return {1, fence, now, exp, epoch, prev_label, prev_fence}
+if not fence then
+  fence = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') + 1
+  if fence < now then fence = now end
+  redis.call('HSET', KEYS[3], ARGV[1], fmt(fence))
+  redis.call('HSET', KEYS[1], ARGV[1],
+    ARGV[2] .. ' ' .. fmt(fence) .. ' ' .. fmt(now) .. ' ' .. fmt(exp) .. ' ' .. ARGV[3])
+  redis.call('ZADD', KEYS[2], exp, ARGV[1])
+end
+local ckpt = false
+if ARGV[5] ~= '' then
+  if ident and tonumber(ifence) ~= fence then
+    ckpt = redis.call('HGET', KEYS[7], member)
+  else
+    ist, ifence, ilabel = false, false, false
+  end
+  redis.call('HSET', KEYS[5], member, 'running\\n' .. fmt(fence) .. '\\n' .. ARGV[3] .. '\\n')
+  redis.call('ZADD', KEYS[6], now + tonumber(ARGV[6]), member)
+end
+return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt}
 """
 )
 
@@ -110,10 +158,31 @@ return out
 """
 )
 
-RELEASE = """
--- KEYS[1] leases hash, KEYS[2] expiry zset
--- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence
--- returns 1 when released, 0 when the lease was not this owner's (nothing changed)
+RELEASE = (
+    """
+-- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] ids hash, KEYS[4] ids_exp zset
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity or '',
+-- ARGV[5] outcome ('done', 'failed', 'retry') or '', ARGV[6] result (JSON) or '',
+-- ARGV[7] retention (us)
+-- records the identity's outcome if it still carries this fence, then releases the lease
+-- returns 1 when released, 0 when the lease was not this owner's (the lease is unchanged)
+"""
+    + _PRELUDE
+    + """
+if ARGV[5] ~= '' then
+  local member = ARGV[1] .. '|' .. ARGV[4]
+  local ident = redis.call('HGET', KEYS[3], member)
+  if ident then
+    local st, f, label = parse_ident(ident)
+    if f == ARGV[3] and st ~= 'done' then
+      local result = ''
+      if ARGV[5] == 'done' then result = ARGV[6] end
+      local rec = ARGV[5] .. '\\n' .. f .. '\\n' .. label .. '\\n' .. result
+      redis.call('HSET', KEYS[3], member, rec)
+      redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), member)
+    end
+  end
+end
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
 local tok, f = string.match(cur, '^(%x+) (%d+) ')
@@ -122,6 +191,7 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
+)
 
 GET = (
     """
@@ -233,3 +303,96 @@ end
 redis.call('SET', KEYS[1], ARGV[1])
 return {1, tonumber(ARGV[1])}
 """
+
+EFFECT_BEGIN = (
+    """
+-- KEYS[1] leases hash, KEYS[2] ledger hash, KEYS[3] ledger_exp zset
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity, ARGV[5] effect key,
+-- ARGV[6] retention (us)
+-- proves the lease is live and ours, then records the effect's intent unless it is done
+-- returns {1, 'new'} | {1, 'intent', earlier_fence} | {1, 'done', fence, receipt}
+--      or {0, reason, holder_label, holder_fence} when the lease is not ours
+"""
+    + _PRELUDE
+    + """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return {0, 'released'} end
+local tok, f, a, e, label = parse(cur)
+if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
+if tonumber(e) <= now then return {0, 'expired'} end
+trim(KEYS[3], now, KEYS[2], nil)
+local member = ARGV[1] .. '|' .. ARGV[4] .. '|' .. ARGV[5]
+local entry = redis.call('HGET', KEYS[2], member)
+local kept = redis.call('ZSCORE', KEYS[3], member)
+if entry and (not kept or tonumber(kept) <= now) then entry = false end  -- past retention
+local earlier = nil
+if entry then
+  local st, ef, receipt = string.match(entry, '^([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+  if st == 'done' then return {1, 'done', tonumber(ef), receipt} end
+  if ef ~= ARGV[3] then earlier = tonumber(ef) end
+end
+redis.call('HSET', KEYS[2], member, 'intent\\n' .. ARGV[3] .. '\\n')
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), member)
+if earlier then return {1, 'intent', earlier} end
+return {1, 'new'}
+"""
+)
+
+EFFECT_DONE = (
+    """
+-- KEYS[1] ledger hash, KEYS[2] ledger_exp zset
+-- ARGV[1] "<resource>|<identity>|<key>", ARGV[2] fence, ARGV[3] receipt (JSON),
+-- ARGV[4] retention (us)
+-- completes the intent recorded with this fence; returns 1, or 0 when it is not ours
+"""
+    + _PRELUDE
+    + """
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if not entry then return 0 end
+local st, ef = string.match(entry, '^([^\\n]*)\\n([^\\n]*)\\n')
+if st ~= 'intent' or ef ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], 'done\\n' .. ARGV[2] .. '\\n' .. ARGV[3])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
+return 1
+"""
+)
+
+CHECKPOINT = (
+    """
+-- KEYS[1] leases hash, KEYS[2] ckpt hash
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity, ARGV[5] data (JSON)
+-- stores the identity's checkpoints if the lease is live and ours and no newer fence wrote
+-- returns {1} or {0, reason, holder_label, holder_fence}
+"""
+    + _PRELUDE
+    + """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return {0, 'released'} end
+local tok, f, a, e, label = parse(cur)
+if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
+if tonumber(e) <= now then return {0, 'expired'} end
+local member = ARGV[1] .. '|' .. ARGV[4]
+local old = redis.call('HGET', KEYS[2], member)
+if old then
+  local of = string.match(old, '^(%d+)\\n')
+  if tonumber(of) > tonumber(ARGV[3]) then return {0, 'taken_over', false, tonumber(of)} end
+end
+redis.call('HSET', KEYS[2], member, ARGV[3] .. '\\n' .. ARGV[5])
+return {1}
+"""
+)
+
+IDENTITY_GET = (
+    """
+-- KEYS[1] ids hash, KEYS[2] ids_exp zset
+-- ARGV[1] "<resource>|<identity>"
+-- returns {record, expires_us}, or {} when there is none or it is past its retention
+"""
+    + _PRELUDE
+    + """
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+local kept = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not record or not kept or tonumber(kept) <= now then return {} end
+return {record, kept}
+"""
+)

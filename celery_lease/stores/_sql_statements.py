@@ -48,6 +48,7 @@ class Statements:
                 prev_fence = CASE WHEN l.owner_token IS NULL THEN NULL ELSE l.fence END
             WHERE l.owner_token IS NULL OR l.expires_us <= excluded.acquired_us
             RETURNING fence, acquired_us, expires_us, prev_label, prev_fence"""
+        self.claim_upsert = upsert
         if dialect == "postgresql":
             # One statement answers both ways: the claim, or (when held) who holds it.
             claim = upsert.format(

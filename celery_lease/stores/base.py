@@ -13,6 +13,18 @@ Invariants every store keeps, asserted by ``tests/stores`` against each of them:
    release it. Anything else changes nothing in the store.
 4. An expired lease is claimable; the claim reports the expired owner's label and fence.
 5. Driver errors surface as ``LeaseStoreError`` (outcome unknown), never as driver exceptions.
+
+Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints):
+
+6. An identity recorded done is never claimed again: ``acquire`` raises ``IdentityDoneError``
+   with the recorded result, in the same round trip as the claim.
+7. A claim marks its identity running with its fence; ``release(outcome=...)`` records the
+   outcome only if the identity still carries that fence (a newer owner's record is kept).
+8. A ledger key takes effect at most once per identity: ``effect_begin`` records an intent only
+   for the live owner and never over a done record; ``effect_done`` completes only the intent
+   recorded with the same fence.
+9. Checkpoints are written only by the live owner, and never over a newer fence's.
+10. Identity, ledger and checkpoint records expire ``retention`` seconds after their last write.
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ from __future__ import annotations
 import builtins
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from .._errors import LeaseConfigError, LeaseLostError
@@ -28,7 +42,9 @@ from .._names import show_value, validate_resource, validate_ttl
 
 __all__ = [
     "DEFAULT_MAX_TTL",
+    "DEFAULT_RETENTION",
     "BaseLeaseStore",
+    "IdentityInfo",
     "LeasePage",
     "LeaseStore",
     "decode_cursor",
@@ -39,6 +55,24 @@ __all__ = [
 #: Long tasks keep short leases alive by renewing; a huge ttl only makes crash recovery slow.
 DEFAULT_MAX_TTL = 600.0
 MAX_LIST_LIMIT = 10_000
+
+
+#: Default for how long identity, ledger and checkpoint records are kept (7 days).
+DEFAULT_RETENTION = 7 * 86400.0
+IDENTITY_OUTCOMES = ("done", "failed", "retry")
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityInfo:
+    """What a store records for one task identity (see ``identity_get``)."""
+
+    resource: str
+    identity: str
+    state: str
+    fence: int
+    owner_label: str
+    result: str | None
+    expires_at: datetime
 
 
 class LeasePage(NamedTuple):
@@ -57,7 +91,9 @@ class LeaseStore(Protocol):
     #: The largest ttl accepted by ``acquire`` and ``renew``.
     max_ttl: float
 
-    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+    def acquire(
+        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+    ) -> Lease:
         """Claim ``resource`` for ``owner`` for ``ttl`` seconds of store time, atomically.
 
         Succeeds when the resource has no lease, a released one or an expired one. The returned
@@ -65,8 +101,14 @@ class LeaseStore(Protocol):
         over an expired lease that was never released, ``previous_owner_label`` and
         ``previous_fence`` name that owner.
 
+        With ``identity``, the same round trip checks and records the task identity: a done
+        identity is not claimed (``IdentityDoneError``); otherwise it is marked running with the
+        new fence, and an identity found begun and not done sets ``identity_state``, the
+        ``previous_*`` fields (unless the lease itself was taken over) and ``checkpoints``.
+
         Raises:
             LeaseBusyError: another owner's lease is live; names holder, fence and expiry.
+            IdentityDoneError: the identity already completed; carries its result.
             LeaseConfigError: bad resource name or ttl.
             LeaseStoreError: the store failed; the claim may or may not have happened.
         """
@@ -98,13 +140,52 @@ class LeaseStore(Protocol):
         """
         ...
 
-    def release(self, lease: Lease) -> bool:
+    def release(
+        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
+    ) -> bool:
         """Release the lease if this owner token and fence still hold it.
 
         Returns True when it was released, False when it was not ours any more (expired and
         taken over, force-released, already released): then nothing changes, so a release
         retried after a takeover never frees the new owner's lease. The fence sequence is kept.
+
+        ``outcome`` (``done``, ``failed``, ``retry``) records the identity's outcome in the same
+        round trip, with ``result`` (JSON text) for done, if the identity still carries this
+        lease's fence.
         """
+        ...
+
+    def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
+        """Record the intent of ledger effect ``key`` of the lease's identity, if not done.
+
+        Proves the lease is live and ours in the same round trip. Returns ``("new", None,
+        None)``, ``("intent", earlier_fence, None)`` when an earlier owner recorded an intent
+        and never completed it (the intent is now this owner's), or ``("done", fence,
+        receipt)``.
+
+        Raises:
+            LeaseLostError: the lease is not live and ours; nothing changed.
+        """
+        ...
+
+    def effect_done(self, lease: Lease, key: str, receipt: str) -> bool:
+        """Record effect ``key`` done with ``receipt`` (JSON text) if its intent is this fence's.
+
+        Does not require a live lease (the effect did happen). Returns False when a newer owner
+        took the intent over meanwhile (its record is kept).
+        """
+        ...
+
+    def checkpoint(self, lease: Lease, data: str) -> None:
+        """Store ``data`` (JSON text of all steps) as the identity's checkpoints; fenced.
+
+        Raises:
+            LeaseLostError: the lease is not live and ours; nothing changed.
+        """
+        ...
+
+    def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
+        """Read the record of a task identity on a resource, or None."""
         ...
 
     def verify(self, lease: Lease) -> None:
@@ -168,8 +249,12 @@ class BaseLeaseStore:
     url: str
     max_ttl: float
 
-    def __init__(self, *, max_ttl: float = DEFAULT_MAX_TTL) -> None:
+    def __init__(
+        self, *, max_ttl: float = DEFAULT_MAX_TTL, retention: float = DEFAULT_RETENTION
+    ) -> None:
         self.max_ttl = validate_ttl(max_ttl, 365 * 86400.0, name="max_ttl")
+        #: Seconds identity, ledger and checkpoint records are kept after their last write.
+        self.retention = validate_ttl(retention, 3650 * 86400.0, name="retention")
 
     # The checks run before any I/O so bad input never reaches a store.
     def _claim_args(self, resource: str, owner: Owner, ttl: float) -> float:
@@ -184,6 +269,35 @@ class BaseLeaseStore:
         if not isinstance(lease, Lease):
             raise LeaseConfigError(f"expected a Lease from acquire(), got {show_value(lease)}")
         return validate_ttl(lease.ttl if ttl is None else ttl, self.max_ttl)
+
+    @staticmethod
+    def _identity_args(identity: str | None) -> str | None:
+        if identity is None:
+            return None
+        try:
+            return validate_resource(identity)
+        except LeaseConfigError:
+            raise LeaseConfigError(
+                f"invalid task identity {show_value(identity)}: it follows the resource-name "
+                "rule (1..200 of A-Z a-z 0-9 _ . : / -)"
+            ) from None
+
+    @staticmethod
+    def _outcome_args(lease: Lease, outcome: str | None) -> None:
+        if outcome is None:
+            return
+        if outcome not in IDENTITY_OUTCOMES:
+            raise LeaseConfigError(
+                f"release outcome {show_value(outcome)} must be one of {IDENTITY_OUTCOMES}"
+            )
+        if lease.identity is None:
+            raise LeaseConfigError("release(outcome=...) needs a lease claimed with identity=")
+
+    @staticmethod
+    def _ledger_args(lease: Lease, key: str) -> tuple[str, str]:
+        if lease.identity is None:
+            raise LeaseConfigError("the ledger needs a lease claimed with identity=")
+        return lease.identity, validate_resource(key)
 
     @staticmethod
     def _list_args(prefix: str, limit: int) -> int:

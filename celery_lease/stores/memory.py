@@ -13,13 +13,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from .._errors import LeaseBusyError, LeaseLostError
+from .._errors import IdentityDoneError, LeaseBusyError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, from_micros
+from .._ledger import decode
 from .._names import validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
+    DEFAULT_RETENTION,
     BaseLeaseStore,
+    IdentityInfo,
     LeasePage,
     decode_cursor,
     encode_cursor,
@@ -58,24 +62,40 @@ class MemoryLeaseStore(BaseLeaseStore):
     """
 
     def __init__(
-        self, *, clock: Callable[[], float] | None = None, max_ttl: float = DEFAULT_MAX_TTL
+        self,
+        *,
+        clock: Callable[[], float] | None = None,
+        max_ttl: float = DEFAULT_MAX_TTL,
+        retention: float = DEFAULT_RETENTION,
     ) -> None:
-        super().__init__(max_ttl=max_ttl)
+        super().__init__(max_ttl=max_ttl, retention=retention)
         self.url = "memory://"
         self._clock = clock or time.time
         self._lock = threading.Lock()
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}
         self._gates: dict[str, int] = {}
+        # (resource, identity) -> [state, fence, label, result, expires_us]
+        self._ids: dict[tuple[str, str], list[Any]] = {}
+        # (resource, identity, key) -> [state, fence, receipt, expires_us]
+        self._ledger: dict[tuple[str, str, str], list[Any]] = {}
+        # (resource, identity) -> [fence, data, expires_us]
+        self._ckpts: dict[tuple[str, str], list[Any]] = {}
 
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
 
-    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+    def acquire(
+        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+    ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
+        identity = self._identity_args(identity)
         sent = monotonic()
         with self._lock:
             now = self._now_us()
+            ident = self._alive(self._ids, (resource, identity or ""), now, -1)
+            if identity is not None and ident is not None and ident[0] == "done":
+                raise IdentityDoneError.completed(resource, identity, ident[1], ident[3])
             current = self._leases.get(resource)
             if current is not None and current.expires_us > now:
                 if current.token != owner.token:
@@ -88,6 +108,20 @@ class MemoryLeaseStore(BaseLeaseStore):
                 self._fences[resource] = fence
                 record = _Record(owner.token, owner.label, fence, now, now + round(ttl * 1e6))
                 self._leases[resource] = record
+            previous = None if current is None else (current.label, current.fence)
+            checkpoints = None
+            if identity is not None:
+                if ident is not None and ident[1] != record.fence:
+                    previous = previous or (ident[2], ident[1])
+                    ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
+                    checkpoints = decode(ckpt[1]) if ckpt else None
+                self._ids[(resource, identity)] = [
+                    "running",
+                    record.fence,
+                    owner.label,
+                    None,
+                    now + self._retention_us,
+                ]
         return Lease(
             resource=resource,
             owner=owner,
@@ -97,9 +131,24 @@ class MemoryLeaseStore(BaseLeaseStore):
             ttl=ttl,
             sent_monotonic=sent,
             store=self,
-            previous_owner_label=None if current is None else current.label,
-            previous_fence=None if current is None else current.fence,
+            previous_owner_label=None if previous is None else previous[0],
+            previous_fence=None if previous is None else previous[1],
+            identity=identity,
+            identity_state=None if ident is None else ident[0],
+            checkpoints=checkpoints,
         )
+
+    @property
+    def _retention_us(self) -> int:
+        return round(self.retention * 1e6)
+
+    @staticmethod
+    def _alive(table: dict[Any, list[Any]], key: Any, now: int, at: int) -> list[Any] | None:
+        record = table.get(key)
+        if record is not None and record[at] <= now:
+            del table[key]
+            return None
+        return record
 
     def _live_record(self, lease: Lease, now: int) -> _Record | LeaseLostError:
         current = self._leases.get(lease.resource)
@@ -136,9 +185,19 @@ class MemoryLeaseStore(BaseLeaseStore):
         if isinstance(record, LeaseLostError):
             raise record
 
-    def release(self, lease: Lease) -> bool:
+    def release(
+        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
+    ) -> bool:
         self._renew_ttl(lease, None)
+        self._outcome_args(lease, outcome)
         with self._lock:
+            if outcome is not None:
+                assert lease.identity is not None
+                ident = self._ids.get((lease.resource, lease.identity))
+                if ident is not None and ident[1] == lease.fence and ident[0] != "done":
+                    ident[0] = outcome
+                    ident[3] = result if outcome == "done" else None
+                    ident[4] = self._now_us() + self._retention_us
             current = self._leases.get(lease.resource)
             if current is None or (current.token, current.fence) != (
                 lease.owner.token,
@@ -147,6 +206,57 @@ class MemoryLeaseStore(BaseLeaseStore):
                 return False
             del self._leases[lease.resource]
             return True
+
+    def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
+        identity, key = self._ledger_args(lease, key)
+        with self._lock:
+            now = self._now_us()
+            live = self._live_record(lease, now)
+            if isinstance(live, LeaseLostError):
+                raise live
+            entry = self._alive(self._ledger, (lease.resource, identity, key), now, -1)
+            if entry is not None and entry[0] == "done":
+                return "done", entry[1], entry[2]
+            self._ledger[(lease.resource, identity, key)] = [
+                "intent",
+                lease.fence,
+                None,
+                now + self._retention_us,
+            ]
+            if entry is not None and entry[1] != lease.fence:
+                return "intent", entry[1], None
+            return "new", None, None
+
+    def effect_done(self, lease: Lease, key: str, receipt: str) -> bool:
+        identity, key = self._ledger_args(lease, key)
+        with self._lock:
+            entry = self._ledger.get((lease.resource, identity, key))
+            if entry is None or entry[0] != "intent" or entry[1] != lease.fence:
+                return False
+            entry[:] = ["done", lease.fence, receipt, self._now_us() + self._retention_us]
+            return True
+
+    def checkpoint(self, lease: Lease, data: str) -> None:
+        identity, _ = self._ledger_args(lease, "checkpoint")
+        with self._lock:
+            now = self._now_us()
+            live = self._live_record(lease, now)
+            if isinstance(live, LeaseLostError):
+                raise live
+            current = self._ckpts.get((lease.resource, identity))
+            if current is not None and current[0] > lease.fence:
+                raise self._lost(lease, "taken_over", None, current[0])
+            self._ckpts[(lease.resource, identity)] = [lease.fence, data, now + self._retention_us]
+
+    def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
+        validate_resource(resource)
+        identity = self._identity_args(identity) or ""
+        with self._lock:
+            record = self._alive(self._ids, (resource, identity), self._now_us(), -1)
+            if record is None:
+                return None
+            state, fence, label, result, expires = record
+        return IdentityInfo(resource, identity, state, fence, label, result, from_micros(expires))
 
     def get(self, resource: str) -> LeaseInfo | None:
         resource = validate_resource(resource)

@@ -15,13 +15,22 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError, LeaseStoreError
+from .._errors import (
+    IdentityDoneError,
+    LeaseBusyError,
+    LeaseConfigError,
+    LeaseLostError,
+    LeaseStoreError,
+)
 from .._lease import Lease, LeaseInfo, Owner, from_micros
+from .._ledger import decode
 from .._names import show_value, validate_resource
 from . import _redis_scripts as lua
 from .base import (
     DEFAULT_MAX_TTL,
+    DEFAULT_RETENTION,
     BaseLeaseStore,
+    IdentityInfo,
     LeasePage,
     decode_cursor,
     encode_cursor,
@@ -75,11 +84,12 @@ class RedisLeaseStore(BaseLeaseStore):
         key_prefix: str = "celery_lease:",
         shards: int = 16,
         max_ttl: float = DEFAULT_MAX_TTL,
+        retention: float = DEFAULT_RETENTION,
         socket_timeout: float = 5.0,
         require_noeviction: bool = False,
         require_persistence: bool = False,
     ) -> None:
-        super().__init__(max_ttl=max_ttl)
+        super().__init__(max_ttl=max_ttl, retention=retention)
         if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
             raise LeaseConfigError(
                 f"key_prefix={show_value(key_prefix)} is not allowed: use 1..64 characters of "
@@ -123,6 +133,10 @@ class RedisLeaseStore(BaseLeaseStore):
         self._force_release = client.register_script(lua.FORCE_RELEASE)
         self._list = client.register_script(lua.LIST)
         self._gate_admit = client.register_script(lua.GATE_ADMIT)
+        self._effect_begin = client.register_script(lua.EFFECT_BEGIN)
+        self._effect_done = client.register_script(lua.EFFECT_DONE)
+        self._checkpoint = client.register_script(lua.CHECKPOINT)
+        self._identity_get = client.register_script(lua.IDENTITY_GET)
         self._epochs: dict[int, str] = {}
         #: How many times this store saw a shard's epoch change: the server lost its data.
         self.data_loss_detected = 0
@@ -183,21 +197,51 @@ class RedisLeaseStore(BaseLeaseStore):
         )
 
     # -- operations ------------------------------------------------------------------------
-    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+    def acquire(
+        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+    ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
+        identity = self._identity_args(identity)
         shard = self.shard_of(resource)
-        keys = self._keys(shard, "leases", "expiry", "fences", "epoch")
+        keys = self._keys(shard, "leases", "expiry", "fences", "epoch", "ids", "ids_exp", "ckpt")
+        args: list[str | int] = [
+            resource,
+            owner.token,
+            owner.label,
+            max(1, round(ttl * 1e6)),
+            identity or "",
+            self._retention_us,
+        ]
         sent = monotonic()
         with self._run(f"acquire of {resource!r}"):
-            reply = self._acquire(
-                keys=keys, args=[resource, owner.token, owner.label, max(1, round(ttl * 1e6))]
-            )
+            reply = self._acquire(keys=keys, args=args)
+        if reply[0] == 2:
+            assert identity is not None
+            result = _text(reply[2]) if reply[2] else None
+            raise IdentityDoneError.completed(resource, identity, int(reply[1]), result)
         if reply[0] == 0:
             _, label, fence, expires, now, epoch = reply
             self._note_epoch(shard, epoch)
             raise LeaseBusyError.held(resource, _text(label), int(fence), (expires - now) / 1e6)
-        _, fence, acquired, expires, epoch, prev_label, prev_fence = [*reply, None, None][:7]
+        (
+            _,
+            fence,
+            acquired,
+            expires,
+            epoch,
+            prev_label,
+            prev_fence,
+            i_state,
+            i_fence,
+            i_label,
+            ckpt,
+        ) = [*reply, None, None, None, None, None, None][:11]
         self._note_epoch(shard, epoch)
+        if prev_fence is None and i_fence is not None:  # an earlier attempt never finished
+            prev_label, prev_fence = i_label, i_fence
+        checkpoints = None
+        if ckpt is not None:
+            checkpoints = decode(_text(ckpt).split("\n", 1)[1])
         return Lease(
             resource=resource,
             owner=owner,
@@ -209,7 +253,14 @@ class RedisLeaseStore(BaseLeaseStore):
             store=self,
             previous_owner_label=None if prev_label is None else _text(prev_label),
             previous_fence=None if prev_fence is None else int(prev_fence),
+            identity=identity,
+            identity_state=None if i_state is None else _text(i_state),
+            checkpoints=checkpoints,
         )
+
+    @property
+    def _retention_us(self) -> int:
+        return round(self.retention * 1e6)
 
     def _renew_call(
         self, leases: Sequence[Lease], ttls: Sequence[float], what: str
@@ -226,7 +277,7 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def _lost_from(self, lease: Lease, item: Sequence[Any]) -> LeaseLostError:
         reason = _text(item[1])
-        label = _text(item[2]) if len(item) > 2 and item[2] is not None else None
+        label = _text(item[2]) if len(item) > 2 and item[2] else None
         fence = int(item[3]) if len(item) > 3 and item[3] is not None else None
         return self._lost(lease, reason, label, fence)
 
@@ -252,12 +303,85 @@ class RedisLeaseStore(BaseLeaseStore):
         if items[0][0] != 1:
             raise self._lost_from(lease, items[0])
 
-    def release(self, lease: Lease) -> bool:
+    def release(
+        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
+    ) -> bool:
         self._renew_ttl(lease, None)
-        keys = self._keys(self.shard_of(lease.resource), "leases", "expiry")
+        self._outcome_args(lease, outcome)
+        keys = self._keys(self.shard_of(lease.resource), "leases", "expiry", "ids", "ids_exp")
+        args: list[str | int] = [
+            lease.resource,
+            lease.owner.token,
+            lease.fence,
+            lease.identity or "",
+            outcome or "",
+            result or "",
+            self._retention_us,
+        ]
         with self._run(f"release of {lease.resource!r}"):
-            done = self._release(keys=keys, args=[lease.resource, lease.owner.token, lease.fence])
+            done = self._release(keys=keys, args=args)
         return bool(done)
+
+    def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
+        identity, key = self._ledger_args(lease, key)
+        keys = self._keys(self.shard_of(lease.resource), "leases", "ledger", "ledger_exp")
+        args: list[str | int] = [
+            lease.resource,
+            lease.owner.token,
+            lease.fence,
+            identity,
+            key,
+            self._retention_us,
+        ]
+        with self._run(f"effect {key!r} of {lease.resource!r}"):
+            reply = self._effect_begin(keys=keys, args=args)
+        if reply[0] == 0:
+            raise self._lost_from(lease, reply)
+        state = _text(reply[1])
+        if state == "done":
+            return "done", int(reply[2]), _text(reply[3]) if len(reply) > 3 else None
+        if state == "intent":
+            return "intent", int(reply[2]), None
+        return "new", None, None
+
+    def effect_done(self, lease: Lease, key: str, receipt: str) -> bool:
+        identity, key = self._ledger_args(lease, key)
+        keys = self._keys(self.shard_of(lease.resource), "ledger", "ledger_exp")
+        member = f"{lease.resource}|{identity}|{key}"
+        with self._run(f"effect {key!r} done of {lease.resource!r}"):
+            done = self._effect_done(
+                keys=keys, args=[member, lease.fence, receipt, self._retention_us]
+            )
+        return bool(done)
+
+    def checkpoint(self, lease: Lease, data: str) -> None:
+        identity, _ = self._ledger_args(lease, "checkpoint")
+        keys = self._keys(self.shard_of(lease.resource), "leases", "ckpt")
+        args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, identity, data]
+        with self._run(f"checkpoint of {lease.resource!r}"):
+            reply = self._checkpoint(keys=keys, args=args)
+        if reply[0] == 0:
+            raise self._lost_from(lease, reply)
+
+    def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
+        validate_resource(resource)
+        identity = self._identity_args(identity) or ""
+        keys = self._keys(self.shard_of(resource), "ids", "ids_exp")
+        with self._run(f"identity read of {resource!r}"):
+            reply = self._identity_get(keys=keys, args=[f"{resource}|{identity}"])
+        if not reply:
+            return None
+        record, expires = reply
+        state, fence, label, result = _text(record).split("\n", 3)
+        return IdentityInfo(
+            resource,
+            identity,
+            state,
+            int(fence),
+            label,
+            result or None,
+            from_micros(int(float(expires))),
+        )
 
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)

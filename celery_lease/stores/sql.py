@@ -29,12 +29,22 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError, LeaseStoreError
+from .._errors import (
+    IdentityDoneError,
+    LeaseBusyError,
+    LeaseConfigError,
+    LeaseLostError,
+    LeaseStoreError,
+)
 from .._lease import Lease, LeaseInfo, Owner, from_micros
+from .._ledger import decode
 from .._names import validate_identifier, validate_resource
 from . import _sql_statements as stmts
+from ._sql_ledger import SQLLedgerMixin
+from ._sql_ledger_statements import LedgerStatements
 from .base import (
     DEFAULT_MAX_TTL,
+    DEFAULT_RETENTION,
     BaseLeaseStore,
     LeasePage,
     decode_cursor,
@@ -52,7 +62,7 @@ SCHEMA_VERSION = 1
 _SQLITE_MIN = (3, 35, 0)  # RETURNING
 
 
-class SQLLeaseStore(BaseLeaseStore):
+class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
     """Leases in a SQL table (PostgreSQL through psycopg 3, or SQLite).
 
     Args:
@@ -75,10 +85,11 @@ class SQLLeaseStore(BaseLeaseStore):
         table_prefix: str = "celery_lease_",
         create_tables: bool = True,
         max_ttl: float = DEFAULT_MAX_TTL,
+        retention: float = DEFAULT_RETENTION,
         statement_timeout: float = 5.0,
         engine_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(max_ttl=max_ttl)
+        super().__init__(max_ttl=max_ttl, retention=retention)
         validate_identifier(table_prefix, "table_prefix")
         if (engine is None) == (url is None):
             raise LeaseConfigError("SQLLeaseStore needs exactly one of engine= or url=")
@@ -108,13 +119,15 @@ class SQLLeaseStore(BaseLeaseStore):
                 )
         # An in-memory SQLite database lives in one connection that all threads share.
         self._serial = threading.Lock() if isinstance(engine.pool, StaticPool) else None
-        self.metadata, self.leases_table, self.meta_table, self.gate_table = _tables(table_prefix)
+        self.metadata, self.tables = _tables(table_prefix)
+        self.leases_table, self.meta_table = self.tables["leases"], self.tables["meta"]
         quote = engine.dialect.identifier_preparer.quote
+        names = {kind: quote(table.name) for kind, table in self.tables.items()}
         self.sql = stmts.Statements(
-            self.dialect,
-            quote(self.leases_table.name),
-            self._paramstyle(),
-            quote(self.gate_table.name),
+            self.dialect, names["leases"], self._paramstyle(), names["gate"]
+        )
+        self.ledger_sql = LedgerStatements(
+            self.dialect, self.sql.now, self._paramstyle(), names, self.sql.claim_upsert
         )
         if create_tables:
             self.create_tables()
@@ -220,23 +233,47 @@ class SQLLeaseStore(BaseLeaseStore):
         cursor.execute("COMMIT")
 
     # -- operations ------------------------------------------------------------------------
-    def acquire(self, resource: str, owner: Owner, ttl: float) -> Lease:
+    def acquire(
+        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+    ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
+        identity = self._identity_args(identity)
         ttl_us = max(1, round(ttl * 1e6))
         params = {"r": resource, "t": owner.token, "l": owner.label, "ttl": ttl_us}
+        if identity is not None:
+            params["i"] = identity
+        claim = self._claim if identity is None else self._claim_identity
         for _ in range(3):
             sent = monotonic()
-            row = self._run(f"acquire of {resource!r}", lambda c: self._claim(c, params))
+            row = self._run(f"acquire of {resource!r}", lambda c: claim(c, params))
             if row is None:  # a racing first claim is not visible to our snapshot yet: ask again
                 continue
-            ok, fence, acquired, expires, label, prev_fence, token, now = row
-            if not ok and (token is None or expires <= now):
-                # Our snapshot shows the lease free (released or expired), but a claim racing
-                # ours committed a newer version first: held by an owner we cannot see yet.
-                continue
-            if not ok and token != owner.token:
-                raise LeaseBusyError.held(resource, label, int(fence), (expires - now) / 1e6)
-            recovered = ok and prev_fence is not None
+            (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
+             h_fence, h_acquired, h_expires, i_state, i_fence, i_label, i_result, ckpt,
+             now) = row  # fmt: skip
+            if identity is not None and not claimed and i_state == "done":
+                raise IdentityDoneError.completed(resource, identity, i_fence, i_result)
+            if claimed and not marked:
+                # The identity was completed by a run that committed after our snapshot: give
+                # the lease back and report the duplicate.
+                assert identity is not None
+                return self._completed_meanwhile(resource, owner, identity, fence, acquired, ttl)
+            if not claimed:
+                if h_token is None or h_expires <= now:
+                    # Our snapshot shows the lease free (released or expired), but a claim
+                    # racing ours committed first: held by an owner we cannot see yet.
+                    continue
+                if h_token != owner.token:
+                    raise LeaseBusyError.held(
+                        resource, h_label, int(h_fence), (h_expires - now) / 1e6
+                    )
+                # The same claim retried after a lost reply: the same lease.
+                fence, acquired, expires, prev_fence = h_fence, h_acquired, h_expires, None
+                i_state = i_fence = None
+            if prev_fence is None and i_state is not None and i_fence != fence:
+                prev_label, prev_fence = i_label, i_fence  # an earlier attempt never finished
+            else:
+                i_state = i_state if i_fence != fence else None
             return Lease(
                 resource=resource,
                 owner=owner,
@@ -246,23 +283,59 @@ class SQLLeaseStore(BaseLeaseStore):
                 ttl=ttl,
                 sent_monotonic=sent,
                 store=self,
-                previous_owner_label=label if recovered else None,
-                previous_fence=int(prev_fence) if recovered else None,
+                previous_owner_label=prev_label if prev_fence is not None else None,
+                previous_fence=int(prev_fence) if prev_fence is not None else None,
+                identity=identity,
+                identity_state=i_state,
+                checkpoints=decode(ckpt) if ckpt and prev_fence is not None else None,
             )
         raise LeaseBusyError.held(resource, None, None, None)
 
+    def _completed_meanwhile(
+        self, resource: str, owner: Owner, identity: str, fence: int, acquired: int, ttl: float
+    ) -> Lease:
+        lease = Lease(
+            resource=resource,
+            owner=owner,
+            fence=int(fence),
+            acquired_at=from_micros(acquired),
+            expires_at=from_micros(acquired),
+            ttl=ttl,
+            sent_monotonic=monotonic(),
+            store=self,
+        )
+        self.release(lease)
+        info = self.identity_get(resource, identity)
+        raise IdentityDoneError.completed(
+            resource,
+            identity,
+            None if info is None else info.fence,
+            None if info is None else info.result,
+        )
+
     def _claim(self, cursor: Any, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The claim without identity, answered in the shape of a ClaimRow."""
         if self.dialect == "postgresql":
             cursor.execute(self.sql.acquire, params)
-            return _one(cursor)
-        with self._immediate(cursor):
-            cursor.execute(self.sql.acquire, params)
-            row = cursor.fetchone()
-            if row is not None:
-                fence, acquired, expires, prev_label, prev_fence = row
-                return (1, fence, acquired, expires, prev_label, prev_fence, None, acquired)
-            cursor.execute(self.sql.holder, params)
-            return _one(cursor)
+            row = _one(cursor)
+        else:
+            with self._immediate(cursor):
+                cursor.execute(self.sql.acquire, params)
+                row = cursor.fetchone()
+                if row is not None:
+                    fence, acquired, expires, prev_label, prev_fence = row
+                    row = (1, fence, acquired, expires, prev_label, prev_fence, None, acquired)
+                else:
+                    cursor.execute(self.sql.holder, params)
+                    row = _one(cursor)
+        if row is None:
+            return None
+        ok, fence, acquired, expires, label, prev_fence, token, now = row
+        nothing = (None, None, None, None, None)
+        if ok:
+            return (1, 1, fence, acquired, expires, label, prev_fence, *nothing[:5], *nothing[:4],
+                    None, now)  # fmt: skip
+        return (0, 0, *nothing, token, label, fence, acquired, expires, *nothing[:4], None, now)
 
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None
@@ -329,11 +402,24 @@ class SQLLeaseStore(BaseLeaseStore):
             return
         raise self._why_lost(lease, token, label, fence, expires, now)
 
-    def release(self, lease: Lease) -> bool:
+    def release(
+        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
+    ) -> bool:
         self._renew_ttl(lease, None)
+        self._outcome_args(lease, outcome)
         params = {"r": lease.resource, "t": lease.owner.token, "f": lease.fence}
 
         def work(cursor: Any) -> int:
+            if outcome is not None:
+                return self._release_outcome(
+                    cursor,
+                    {
+                        **params,
+                        "i": lease.identity,
+                        "o": outcome,
+                        "res": result if outcome == "done" else None,
+                    },
+                )
             cursor.execute(self.sql.release, params)
             return int(cursor.rowcount)
 
@@ -496,39 +582,72 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
     return engine
 
 
-def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
+def _tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
     metadata = sa.MetaData()
-    leases = sa.Table(
-        f"{prefix}leases",
-        metadata,
-        # "C" collation on PostgreSQL: byte order, the same order list() cursors assume.
-        sa.Column(
-            "resource",
-            sa.String(200).with_variant(sa.String(200, collation="C"), "postgresql"),
-            primary_key=True,
+    # "C" collation on PostgreSQL: byte order, the same order list() cursors assume.
+    name = sa.String(200).with_variant(sa.String(200, collation="C"), "postgresql")
+    tables = {
+        "leases": sa.Table(
+            f"{prefix}leases",
+            metadata,
+            sa.Column("resource", name, primary_key=True),
+            sa.Column("owner_token", sa.String(64), nullable=True),
+            sa.Column("owner_label", sa.String(200), nullable=False),
+            sa.Column("fence", sa.BigInteger, nullable=False),
+            sa.Column("acquired_us", sa.BigInteger, nullable=False),
+            sa.Column("expires_us", sa.BigInteger, nullable=True),
+            sa.Column("prev_label", sa.String(200), nullable=True),
+            sa.Column("prev_fence", sa.BigInteger, nullable=True),
+            sa.Index(f"{prefix}leases_expiry", "expires_us", "resource"),
         ),
-        sa.Column("owner_token", sa.String(64), nullable=True),
-        sa.Column("owner_label", sa.String(200), nullable=False),
-        sa.Column("fence", sa.BigInteger, nullable=False),
-        sa.Column("acquired_us", sa.BigInteger, nullable=False),
-        sa.Column("expires_us", sa.BigInteger, nullable=True),
-        sa.Column("prev_label", sa.String(200), nullable=True),
-        sa.Column("prev_fence", sa.BigInteger, nullable=True),
-        sa.Index(f"{prefix}leases_expiry", "expires_us", "resource"),
-    )
-    meta = sa.Table(
-        f"{prefix}meta",
-        metadata,
-        sa.Column("key", sa.String(64), primary_key=True),
-        sa.Column("value", sa.String(200), nullable=False),
-    )
-    gate = sa.Table(
-        f"{prefix}fence_gate",
-        metadata,
-        sa.Column("key", sa.String(200), primary_key=True),
-        sa.Column("fence", sa.BigInteger, nullable=False),
-    )
-    return metadata, leases, meta, gate
+        "meta": sa.Table(
+            f"{prefix}meta",
+            metadata,
+            sa.Column("key", sa.String(64), primary_key=True),
+            sa.Column("value", sa.String(200), nullable=False),
+        ),
+        "gate": sa.Table(
+            f"{prefix}fence_gate",
+            metadata,
+            sa.Column("key", sa.String(200), primary_key=True),
+            sa.Column("fence", sa.BigInteger, nullable=False),
+        ),
+        "ids": sa.Table(
+            f"{prefix}identities",
+            metadata,
+            sa.Column("resource", name, primary_key=True),
+            sa.Column("identity", sa.String(200), primary_key=True),
+            sa.Column("state", sa.String(16), nullable=False),
+            sa.Column("fence", sa.BigInteger, nullable=False),
+            sa.Column("owner_label", sa.String(200), nullable=False),
+            sa.Column("result", sa.Text, nullable=True),
+            sa.Column("expires_us", sa.BigInteger, nullable=False),
+            sa.Index(f"{prefix}identities_expiry", "expires_us"),
+        ),
+        "ledger": sa.Table(
+            f"{prefix}ledger",
+            metadata,
+            sa.Column("resource", name, primary_key=True),
+            sa.Column("identity", sa.String(200), primary_key=True),
+            sa.Column("key", sa.String(200), primary_key=True),
+            sa.Column("state", sa.String(16), nullable=False),
+            sa.Column("fence", sa.BigInteger, nullable=False),
+            sa.Column("receipt", sa.Text, nullable=True),
+            sa.Column("expires_us", sa.BigInteger, nullable=False),
+            sa.Index(f"{prefix}ledger_expiry", "expires_us"),
+        ),
+        "ckpt": sa.Table(
+            f"{prefix}checkpoints",
+            metadata,
+            sa.Column("resource", name, primary_key=True),
+            sa.Column("identity", sa.String(200), primary_key=True),
+            sa.Column("fence", sa.BigInteger, nullable=False),
+            sa.Column("data", sa.Text, nullable=False),
+            sa.Column("expires_us", sa.BigInteger, nullable=False),
+            sa.Index(f"{prefix}checkpoints_expiry", "expires_us"),
+        ),
+    }
+    return metadata, tables
 
 
 def _one(cursor: Any) -> tuple[Any, ...] | None:

@@ -1,0 +1,157 @@
+"""SQL statements for task identities, the effect ledger and checkpoints.
+
+Tables (names prefixed like the lease table, all keyed by resource first):
+
+* ``identities (resource, identity)``: state running / retry / failed / done, the fence of the
+  run that wrote it, its owner label, the JSON result of a done run, and ``expires_us``
+  (retention).
+* ``ledger (resource, identity, key)``: state intent / done, fence, JSON receipt, expires_us.
+* ``checkpoints (resource, identity)``: fence and JSON of all steps, expires_us.
+
+On PostgreSQL each operation is one statement. Reads of "the state before" come from the
+statement's snapshot; every decision that must see the newest committed row is made by an
+``ON CONFLICT ... DO UPDATE ... WHERE`` (which does), and the caller re-asks in the rare case
+the snapshot disagrees. On SQLite the same steps run inside one ``BEGIN IMMEDIATE``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LedgerStatements"]
+
+
+class LedgerStatements:
+    """SQL text for one dialect and set of tables, built once per store."""
+
+    def __init__(
+        self, dialect: str, now: str, paramstyle: str, tables: dict[str, str], claim_upsert: str
+    ) -> None:
+        def p(name: str) -> str:
+            return f"%({name})s" if paramstyle == "pyformat" else f":{name}"
+
+        t, ids, ledger, ckpt = tables["leases"], tables["ids"], tables["ledger"], tables["ckpt"]
+        alive = f"expires_us > {now}"
+        self.ident_read = f"""
+            SELECT state, fence, owner_label, result FROM {ids}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
+        self.ident_full = f"""
+            SELECT state, fence, owner_label, result, expires_us FROM {ids}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
+        mark = f"""
+            INSERT INTO {ids} AS d (resource, identity, state, fence, owner_label, result,
+                                   expires_us)
+            {{source}}
+            ON CONFLICT (resource, identity) DO UPDATE SET state = 'running',
+                fence = excluded.fence, owner_label = excluded.owner_label, result = NULL,
+                expires_us = excluded.expires_us
+            WHERE d.state <> 'done' OR d.expires_us <= excluded.expires_us - {p("ret")}"""
+        self.ckpt_read = f"""
+            SELECT data FROM {ckpt}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
+        self.lease_state = f"""
+            SELECT owner_token, owner_label, fence, expires_us, {now}
+            FROM {t} WHERE resource = {p("r")}"""
+        ledger_upsert = f"""
+            INSERT INTO {ledger} AS x (resource, identity, key, state, fence, receipt,
+                                      expires_us)
+            {{source}}
+            ON CONFLICT (resource, identity, key) DO UPDATE SET state = 'intent',
+                fence = excluded.fence, receipt = NULL, expires_us = excluded.expires_us
+            WHERE x.state <> 'done' OR x.expires_us <= excluded.expires_us - {p("ret")}"""
+        ckpt_upsert = f"""
+            INSERT INTO {ckpt} AS c (resource, identity, fence, data, expires_us)
+            {{source}}
+            ON CONFLICT (resource, identity) DO UPDATE SET fence = excluded.fence,
+                data = excluded.data, expires_us = excluded.expires_us
+            WHERE c.fence <= excluded.fence"""
+        self.ident_outcome = f"""
+            UPDATE {ids} SET state = {p("o")}, result = {p("res")},
+                expires_us = {now} + {p("ret")}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND fence = {p("f")}
+              AND state <> 'done'"""
+        self.ledger_done = f"""
+            UPDATE {ledger} SET state = 'done', receipt = {p("rc")},
+                expires_us = {now} + {p("ret")}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND key = {p("k")}
+              AND fence = {p("f")} AND state = 'intent'"""
+        self.ledger_read = f"""
+            SELECT state, fence, receipt FROM {ledger}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND key = {p("k")} AND {alive}"""
+        self.ckpt_fence = f"""
+            SELECT fence FROM {ckpt} WHERE resource = {p("r")} AND identity = {p("i")}"""
+        live = f"""
+            SELECT 1 FROM {t}
+            WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+              AND expires_us > {now}"""
+        if dialect == "sqlite":
+            self.mark = mark.format(
+                source=f"VALUES ({p('r')}, {p('i')}, 'running', {p('f')}, {p('l')}, NULL, "
+                f"{now} + {p('ret')})"
+            )
+            self.ledger_intent = ledger_upsert.format(
+                source=f"VALUES ({p('r')}, {p('i')}, {p('k')}, 'intent', {p('f')}, NULL, "
+                f"{now} + {p('ret')})"
+            )
+            self.ckpt_write = ckpt_upsert.format(
+                source=f"VALUES ({p('r')}, {p('i')}, {p('f')}, {p('data')}, {now} + {p('ret')})"
+            )
+            return
+        # PostgreSQL: one statement per operation.
+        claim = claim_upsert.format(
+            source=f"""SELECT {p("r")}, {p("t")}, {p("l")}, 1, clk.us, clk.us + {p("ttl")}
+                FROM clk WHERE NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done')"""
+        )
+        self.acquire = f"""
+            WITH clk AS (SELECT {now} AS us),
+            old_ident AS ({self.ident_read}),
+            claim AS ({claim}),
+            mark AS ({
+            mark.format(
+                source=f'''
+                SELECT {p("r")}, {p("i")}, 'running', claim.fence, {p("l")}, NULL,
+                       clk.us + {p("ret")}
+                FROM claim, clk'''
+            )
+        } RETURNING 1)
+            SELECT (SELECT count(*) FROM claim), (SELECT count(*) FROM mark),
+                   c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
+                   h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
+                   o.state, o.fence, o.owner_label, o.result,
+                   ({self.ckpt_read}), (SELECT us FROM clk)
+            FROM (SELECT 1) AS one
+            LEFT JOIN claim AS c ON true
+            LEFT JOIN {t} AS h ON h.resource = {p("r")} AND NOT EXISTS (SELECT 1 FROM claim)
+            LEFT JOIN old_ident AS o ON true"""
+        self.release_outcome = f"""
+            WITH upd AS ({self.ident_outcome} RETURNING 1),
+            rel AS (
+                UPDATE {t} SET owner_token = NULL, expires_us = NULL, prev_label = NULL,
+                    prev_fence = NULL
+                WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+                RETURNING 1)
+            SELECT (SELECT count(*) FROM rel), (SELECT count(*) FROM upd)"""
+        self.effect_begin = f"""
+            WITH clk AS (SELECT {now} AS us),
+            live AS ({live}),
+            old AS ({self.ledger_read}),
+            up AS ({
+            ledger_upsert.format(
+                source=f'''
+                SELECT {p("r")}, {p("i")}, {p("k")}, 'intent', {p("f")}, NULL,
+                       clk.us + {p("ret")}
+                FROM clk WHERE EXISTS (SELECT 1 FROM live)'''
+            )
+        } RETURNING 1)
+            SELECT (SELECT count(*) FROM live), (SELECT count(*) FROM up),
+                   o.state, o.fence, o.receipt
+            FROM (SELECT 1) AS one LEFT JOIN old AS o ON true"""
+        self.checkpoint = f"""
+            WITH clk AS (SELECT {now} AS us),
+            live AS ({live}),
+            up AS ({
+            ckpt_upsert.format(
+                source=f'''
+                SELECT {p("r")}, {p("i")}, {p("f")}, {p("data")}, clk.us + {p("ret")}
+                FROM clk WHERE EXISTS (SELECT 1 FROM live)'''
+            )
+        } RETURNING 1)
+            SELECT (SELECT count(*) FROM live), (SELECT count(*) FROM up)"""

@@ -1,0 +1,191 @@
+"""Identity, ledger and checkpoint contract over every store (invariants 6-10 of base.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from celery_lease import LeaseBusyError, LeaseConfigError, LeaseLostError, Owner
+from celery_lease._errors import IdentityDoneError
+from tests.conftest import make_store
+from tests.stores.test_contract import LONG, SHORT, expire
+from tests.tooling.servers import wait_for
+
+
+def claim(store, names, owner="w1", identity="job-1", ttl=LONG, resource="r"):
+    return store.acquire(names + resource, Owner.new(owner), ttl, identity=identity)
+
+
+class TestIdentity:
+    def test_a_first_claim_marks_the_identity_running(self, store, names):
+        """A new identity: nothing to recover; the record carries the claim's fence."""
+        lease = claim(store, names)
+        assert lease.identity == "job-1" and lease.identity_state is None
+        assert not lease.recovered and lease.checkpoints == {}
+        info = store.identity_get(names + "r", "job-1")
+        assert (info.state, info.fence, info.owner_label, info.result) == (
+            "running",
+            lease.fence,
+            "w1",
+            None,
+        )
+
+    def test_a_done_identity_is_never_claimed_again(self, store, names):
+        """After done, a claim of the same identity returns the result and claims nothing."""
+        lease = claim(store, names)
+        assert store.release(lease, outcome="done", result=json.dumps({"sent": 17}))
+        with pytest.raises(IdentityDoneError) as caught:
+            claim(store, names, owner="w2")
+        err = caught.value
+        assert (err.identity, err.fence) == ("job-1", lease.fence)
+        assert json.loads(err.result) == {"sent": 17}
+        assert store.get(names + "r") is None  # no lease was taken
+        other = claim(store, names, identity="job-2")  # another identity runs normally
+        assert other.fence > lease.fence
+
+    def test_an_unfinished_attempt_makes_the_next_claim_a_recovery(self, store, names):
+        """retry / failed / a vanished owner: the next claim names the earlier attempt."""
+        for outcome in ("retry", "failed"):
+            first = claim(store, names, owner=f"w-{outcome}", identity=f"job-{outcome}")
+            store.release(first, outcome=outcome)
+            again = claim(store, names, owner="w2", identity=f"job-{outcome}")
+            assert again.recovered and again.identity_state == outcome
+            assert (again.previous_fence, again.previous_owner_label) == (
+                first.fence,
+                f"w-{outcome}",
+            )
+            store.release(again)
+
+    def test_a_crashed_owner_is_recovered_from_lease_and_identity(self, store, names):
+        """Expired, never released: the takeover reports the crashed owner."""
+        first = claim(store, names, owner="crashed", ttl=SHORT)
+        expire(store, names + "r")
+        second = claim(store, names, owner="next")
+        assert second.recovered and second.identity_state == "running"
+        assert (second.previous_owner_label, second.previous_fence) == ("crashed", first.fence)
+
+    def test_a_live_duplicate_is_busy_not_done(self, store, names):
+        """The same identity arriving while the first still runs waits; it is not skipped."""
+        first = claim(store, names, owner="original")
+        with pytest.raises(LeaseBusyError) as caught:
+            claim(store, names, owner="duplicate")
+        assert caught.value.holder_label == "original"
+        assert store.identity_get(names + "r", "job-1").fence == first.fence
+
+    def test_a_stale_owner_cannot_record_the_outcome(self, store, names):
+        """The outcome is recorded only while the identity carries the releaser's fence."""
+        old = claim(store, names, owner="old", ttl=SHORT)
+        expire(store, names + "r")
+        new = claim(store, names, owner="new")
+        assert store.release(old, outcome="done", result="1") is False
+        info = store.identity_get(names + "r", "job-1")
+        assert (info.state, info.fence, info.result) == ("running", new.fence, None)
+        store.release(new, outcome="done", result="2")
+        with pytest.raises(IdentityDoneError) as caught:
+            claim(store, names)
+        assert caught.value.result == "2" and caught.value.fence == new.fence
+
+    def test_bad_identity_and_outcome(self, store, names):
+        with pytest.raises(LeaseConfigError, match="identity"):
+            claim(store, names, identity="has space")
+        plain = store.acquire(names + "p", Owner.new(), LONG)
+        with pytest.raises(LeaseConfigError, match="identity="):
+            store.release(plain, outcome="done")
+        lease = claim(store, names)
+        with pytest.raises(LeaseConfigError, match="outcome"):
+            store.release(lease, outcome="finished")
+
+
+class TestLedger:
+    def test_intent_then_done_then_replay(self, store, names):
+        """new -> done with a receipt; asking again gives the receipt back."""
+        lease = claim(store, names)
+        assert store.effect_begin(lease, "charge") == ("new", None, None)
+        assert store.effect_done(lease, "charge", '{"id": "ch_1"}') is True
+        state, fence, receipt = store.effect_begin(lease, "charge")
+        assert (state, fence, json.loads(receipt)) == ("done", lease.fence, {"id": "ch_1"})
+
+    def test_done_survives_the_owner_and_binds_the_identity(self, store, names):
+        """A later owner of the identity sees done; another identity's key is separate."""
+        first = claim(store, names, owner="w1", ttl=SHORT)
+        store.effect_begin(first, "charge")
+        store.effect_done(first, "charge", '"r1"')
+        expire(store, names + "r")
+        second = claim(store, names, owner="w2")
+        assert store.effect_begin(second, "charge") == ("done", first.fence, '"r1"')
+        store.release(second)
+        other = claim(store, names, identity="job-9")
+        assert store.effect_begin(other, "charge") == ("new", None, None)
+
+    def test_an_unfinished_intent_is_handed_to_the_next_owner(self, store, names):
+        """Intent without done: the next owner is told, and the old owner cannot finish it."""
+        first = claim(store, names, owner="crashed", ttl=SHORT)
+        assert store.effect_begin(first, "deploy")[0] == "new"
+        expire(store, names + "r")
+        second = claim(store, names, owner="next")
+        assert store.effect_begin(second, "deploy") == ("intent", first.fence, None)
+        assert store.effect_done(first, "deploy", '"late"') is False
+        assert store.effect_done(second, "deploy", '"ok"') is True
+        assert store.effect_begin(second, "deploy") == ("done", second.fence, '"ok"')
+
+    def test_only_the_live_owner_can_begin_an_effect(self, store, names):
+        """A stale or released lease is refused before any intent is written."""
+        old = claim(store, names, owner="old", ttl=SHORT)
+        expire(store, names + "r")
+        with pytest.raises(LeaseLostError):
+            store.effect_begin(old, "charge")
+        new = claim(store, names, owner="new")
+        with pytest.raises(LeaseLostError):
+            store.effect_begin(old, "charge")
+        assert store.effect_begin(new, "charge") == ("new", None, None)
+
+    def test_the_ledger_needs_an_identity(self, store, names):
+        plain = store.acquire(names + "p", Owner.new(), LONG)
+        with pytest.raises(LeaseConfigError, match="identity"):
+            store.effect_begin(plain, "charge")
+
+
+class TestCheckpoints:
+    def test_checkpoints_reach_the_next_owner(self, store, names):
+        """Progress written by a crashed owner is handed to the one that recovers."""
+        first = claim(store, names, owner="crashed", ttl=SHORT)
+        store.checkpoint(first, json.dumps({"page": 3}))
+        expire(store, names + "r")
+        second = claim(store, names, owner="next")
+        assert second.recovered and second.checkpoints == {"page": 3}
+
+    def test_a_stale_owner_cannot_checkpoint(self, store, names):
+        """After a takeover the old owner's checkpoint is refused and changes nothing."""
+        old = claim(store, names, owner="old", ttl=SHORT)
+        expire(store, names + "r")
+        new = claim(store, names, owner="new")
+        store.checkpoint(new, json.dumps({"step": "new"}))
+        with pytest.raises(LeaseLostError):
+            store.checkpoint(old, json.dumps({"step": "old"}))
+        store.release(new, outcome="retry")
+        third = claim(store, names, owner="third")
+        assert third.checkpoints == {"step": "new"}
+
+
+class TestRetention:
+    def test_records_expire_after_the_retention(self, request, tmp_path, names):
+        """With a tiny retention a done identity is forgotten and runs again."""
+        for kind in ("memory", "redis", "sqlite", "postgres"):
+            (tmp_path / kind).mkdir()
+            store = make_store(kind, request, tmp_path / kind, retention=0.2)
+            try:
+                lease = claim(store, names + kind)
+                store.effect_begin(lease, "k")
+                store.effect_done(lease, "k", "1")
+                store.release(lease, outcome="done", result="1")
+                wait_for(
+                    lambda s=store, k=kind: s.identity_get(names + k + "r", "job-1") is None,
+                    10,
+                    f"{kind} identity to expire",
+                )
+                again = claim(store, names + kind)
+                assert not again.recovered and again.identity_state is None
+                assert store.effect_begin(again, "k") == ("new", None, None)
+            finally:
+                store.close()
