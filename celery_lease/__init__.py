@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ._app import install
 from ._errors import (
+    EffectUnresolvedError,
+    IdentityDoneError,
     LeaseBusyError,
     LeaseConfigError,
     LeaseError,
@@ -13,13 +15,18 @@ from ._errors import (
 )
 from ._fencing import FenceGate
 from ._lease import Lease, LeaseInfo, Owner
+from ._ledger import REDO, Effect
 from ._task import LeaseTask, current_lease, lease_task
 from .stores import LeaseStore, store_from_url
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "REDO",
+    "Effect",
+    "EffectUnresolvedError",
     "FenceGate",
+    "IdentityDoneError",
     "Lease",
     "LeaseBusyError",
     "LeaseConfigError",

@@ -34,6 +34,7 @@ _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 def _store_options(settings: LeaseSettings) -> dict[str, Any]:
     url = settings.store_url.lower()
     options = dict(settings.store_options)
+    options.setdefault("retention", settings.retention)
     # Keep a store call well inside the self-fence margin so a renewal retry still fits.
     timeout = min(5.0, max(0.2, settings.ttl / 4))
     if url.startswith(("redis://", "rediss://", "unix://")):

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from . import _failpoints as failpoints
 from ._errors import LeaseError, LeaseLostError, LeaseStoreError
 from ._lease import Lease
 
@@ -191,6 +192,7 @@ class Renewer:
         if self._io is None:
             self._io = ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME}-io")
         self.calls += 1
+        failpoints.hit("inside_renew")
         future: Future[list[LeaseLostError | None]] = self._io.submit(
             store.renew_many, [h.lease for h in holds]
         )

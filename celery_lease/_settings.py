@@ -41,6 +41,8 @@ class LeaseSettings:
     store_options: dict[str, Any] = field(default_factory=dict)
     allow_direct_call: bool = False
     send_events: bool = True
+    dedup: bool = True
+    retention: float = 7 * 86400.0
 
     @property
     def effective_renew_interval(self) -> float:
@@ -82,6 +84,7 @@ class LeaseSettings:
             "busy_backoff_base",
             "busy_backoff_cap",
             "lost_retry_delay",
+            "retention",
         ):
             if name in values:
                 values[name] = _positive(name, values[name])
@@ -166,4 +169,8 @@ SETTINGS_DOC = {
     "store_options": "extra keyword options for the store constructor ({})",
     "allow_direct_call": "calling the task function directly runs it without a lease (False)",
     "send_events": "send task-lease-* events when the worker sends task events (True)",
+    "dedup": "record each execution's identity (the identity template, the message's "
+    "idempotency_key header, or the task id) so a duplicate delivery of a completed one "
+    "returns its result instead of running (True)",
+    "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
 }

@@ -30,11 +30,13 @@ from typing import Any, TypeVar
 
 from celery import Task, shared_task
 from celery._state import _task_stack
-from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import _events as events
+from . import _failpoints as failpoints
 from ._app import get_store, install
 from ._errors import (
+    IdentityDoneError,
     LeaseBusyError,
     LeaseConfigError,
     LeaseError,
@@ -44,6 +46,7 @@ from ._errors import (
 )
 from ._interrupt import Interrupter
 from ._lease import Lease, Owner
+from ._ledger import decode, encode
 from ._names import show_value, validate_resource
 from ._renewer import Hold, get_renewer
 from ._settings import LeaseSettings
@@ -88,6 +91,9 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     #: The resource template (``"browser/account-{account_id}"``) or a callable.
     lease_resource: str | Callable[..., str] | None = None
+    #: The identity template or callable (``"invoice:{invoice_id}"``); None: the message's
+    #: ``idempotency_key`` header or the task id; False: no identity (no dedup, no ledger).
+    lease_identity: str | Callable[..., str] | bool | None = None
     lease_store_url: str | None = None
     lease_ttl: float | None = None
     lease_renew_interval: float | None = None
@@ -105,6 +111,8 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_store_options: dict[str, Any] | None = None
     lease_allow_direct_call: bool | None = None
     lease_send_events: bool | None = None
+    lease_dedup: bool | None = None
+    lease_retention: float | None = None
 
     _lease_settings_cache: LeaseSettings | None = None
     _lease_signature: inspect.Signature | None = None
@@ -144,47 +152,89 @@ class LeaseTask(Task):  # type: ignore[misc]
                 f"task {self.name!r} has no lease resource: pass resource= to @lease_task or "
                 "set lease_resource on the LeaseTask subclass"
             )
+        resource = self._render(spec, args, kwargs, "resource")
+        try:
+            return validate_resource(resource)
+        except LeaseConfigError as exc:
+            raise LeaseConfigError(
+                f"task {self.name!r}: resource {show_value(spec)} gave {show_value(resource)}, "
+                f"which is not a valid resource name ({exc})"
+            ) from None
+
+    def _render(
+        self, spec: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str
+    ) -> str:
+        """Apply a template or callable ``spec`` to one call's arguments."""
         if callable(spec):
             value = spec(*args, **kwargs)
             if value is None:
                 raise LeaseConfigError(
-                    f"the lease resource callable of task {self.name!r} returned None"
+                    f"the lease {what} callable of task {self.name!r} returned None"
                 )
-            return validate_resource(value)
+            return str(value)
+        if not isinstance(spec, str):
+            raise LeaseConfigError(
+                f"the lease {what} of task {self.name!r} must be a template string or a "
+                f"callable, got {show_value(spec)}"
+            )
         mapping = self._bound_arguments(args, kwargs)
         for _, field, _, _ in _formatter.parse(spec):
             if field is None:
                 continue
             if field == "" or field.split(".")[0].split("[")[0].isdigit():
                 raise LeaseConfigError(
-                    f"lease resource template {spec!r} of task {self.name!r} uses a positional "
+                    f"lease {what} template {spec!r} of task {self.name!r} uses a positional "
                     "field; name the argument instead, e.g. {account_id}"
                 )
             try:
                 value, _ = _formatter.get_field(field, (), mapping)
             except (KeyError, AttributeError, IndexError, TypeError) as exc:
                 raise LeaseConfigError(
-                    f"lease resource template {spec!r} of task {self.name!r} needs {field!r}, "
+                    f"lease {what} template {spec!r} of task {self.name!r} needs {field!r}, "
                     f"which this call does not provide ({type(exc).__name__}: {exc}); "
                     f"arguments given: {sorted(mapping)}"
                 ) from None
             if value is None:
                 raise LeaseConfigError(
-                    f"lease resource template {spec!r} of task {self.name!r}: argument "
-                    f"{field!r} is None; pass a value or make the resource a callable"
+                    f"lease {what} template {spec!r} of task {self.name!r}: argument "
+                    f"{field!r} is None; pass a value or make the {what} a callable"
                 )
         try:
-            resource = spec.format_map(mapping)
+            return spec.format_map(mapping)
         except (ValueError, KeyError) as exc:
             raise LeaseConfigError(
-                f"lease resource template {spec!r} of task {self.name!r} is malformed: {exc}"
+                f"lease {what} template {spec!r} of task {self.name!r} is malformed: {exc}"
             ) from None
+
+    def lease_identity_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+        """The identity of one execution, or None when dedup is off for this task.
+
+        The message's ``idempotency_key`` header wins; then ``lease_identity`` (a template or
+        callable over the arguments, like the resource); then the task id, which is stable
+        across retry, requeue and redelivery.
+        """
+        spec = inspect.getattr_static(self, "lease_identity", None)
+        if isinstance(spec, (staticmethod, classmethod)):
+            spec = spec.__func__
+        if spec is False or (spec is None and not self.lease_settings.dedup):
+            return None
+        request = self.request
+        key = _header(request, "idempotency_key")
+        if key is not None:
+            return self._checked_identity(str(key), "the idempotency_key header")
+        if spec is not None and spec is not True:
+            return self._checked_identity(
+                self._render(spec, args, kwargs, "identity"), "the identity template"
+            )
+        return request.id if request.id is not None else None
+
+    def _checked_identity(self, value: str, source: str) -> str:
         try:
-            return validate_resource(resource)
-        except LeaseConfigError as exc:
+            return validate_resource(value)
+        except LeaseConfigError:
             raise LeaseConfigError(
-                f"task {self.name!r}: resource template {spec!r} gave {show_value(resource)}, "
-                f"which is not a valid resource name ({exc})"
+                f"task {self.name!r}: {source} gave {show_value(value)}, which is not a valid "
+                "identity (1..200 of A-Z a-z 0-9 _ . : / -)"
             ) from None
 
     def _bound_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -216,28 +266,35 @@ class LeaseTask(Task):  # type: ignore[misc]
         if direct and settings.allow_direct_call:
             return super().__call__(*args, **kwargs)
         resource = self.lease_resource_for(args, kwargs)
+        identity = self.lease_identity_for(args, kwargs)
         store = get_store(self.app, settings)
         owner = Owner.new(_owner_label(request))
         try:
-            lease = store.acquire(resource, owner, settings.ttl)
+            lease = store.acquire(resource, owner, settings.ttl, identity=identity)
+        except IdentityDoneError as done:
+            return self._duplicate_done(done)
         except LeaseBusyError as busy:
             return self._lease_busy(busy, settings)
         except LeaseStoreError as exc:
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
             return self._store_down(exc, settings)
+        failpoints.hit("after_acquire")
         events.count("celery_lease_claims_total")
         lease.margin = settings.effective_margin
+        hook = getattr(self, "reconcile_effect", None)
+        if hook is not None:
+            lease.extra["reconcile_effect"] = hook
         if lease.recovered:
             events.count("celery_lease_takeovers_total")
             log.warning(
-                "task %s[%s] took over %r (fence %d) from %r (fence %s), whose lease expired "
-                "without release",
+                "task %s[%s] took over %r (fence %d) from %r (fence %s), which did not finish (%s)",
                 self.name,
                 request.id,
                 resource,
                 lease.fence,
                 lease.previous_owner_label,
                 lease.previous_fence,
+                lease.identity_state or "lease expired without release",
             )
             self._lease_event(
                 "task-lease-recovered",
@@ -247,6 +304,30 @@ class LeaseTask(Task):  # type: ignore[misc]
                 previous_fence=lease.previous_fence,
             )
         return self._run_leased(lease, settings, args, kwargs, direct)
+
+    def reconcile(self, lease: Lease) -> None:
+        """Called before the body when an earlier owner of this work did not finish.
+
+        ``lease.recovered`` is true: the lease was taken over from an owner whose lease expired
+        without release, or this identity was begun and not completed. ``lease.checkpoints``,
+        ``lease.previous_fence`` and ``lease.previous_owner_label`` tell what is known; inspect
+        the outside world before continuing, never replay blindly. The default does nothing.
+        """
+
+    def _duplicate_done(self, done: IdentityDoneError) -> Any:
+        request = self.request
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        events.count("celery_lease_duplicates_total")
+        log.info(
+            "task %s[%s] duplicate%s: identity %r already completed with fence %s; returning "
+            "the recorded result",
+            self.name,
+            request.id,
+            " (redelivered)" if redelivered else "",
+            done.identity,
+            done.fence,
+        )
+        return decode(done.result)
 
     def _run_leased(
         self,
@@ -261,6 +342,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         context_token = _current.set(lease)
         started = time.monotonic()
         hold: Hold | None = None
+        outcome = "failed"
+        result: Any = None
         try:
             try:
                 interrupter.arm()
@@ -275,16 +358,22 @@ class LeaseTask(Task):  # type: ignore[misc]
                         self.request.hostname,
                     ),
                 )
+                if lease.recovered:
+                    failpoints.hit("inside_reconcile")
+                    self.reconcile(lease)
                 result = self._invoke_body(lease, args, kwargs, direct)
                 interrupter.disarm()
                 lease.check()  # never report success for a lease known lost or past deadline
+                outcome = "done"
             except LeaseLostError as exc:
                 interrupter.disarm()
+                outcome = "retry"
                 lost = lease.lost or lease.mark_lost(exc)
                 return self._lease_lost(lost, lease, settings)
             except StaleFenceError as exc:
                 # A side effect saw a newer fence: a newer owner exists, our lease is lost.
                 interrupter.disarm()
+                outcome = "retry"
                 lost = lease.lost or lease.mark_lost(
                     LeaseLostError.lost(lease.resource, lease.fence, "stale_fence")
                 )
@@ -293,7 +382,12 @@ class LeaseTask(Task):  # type: ignore[misc]
             except SoftTimeLimitExceeded:
                 interrupter.disarm()
                 if lease.lost is not None:
+                    outcome = "retry"
                     return self._lease_lost(lease.lost, lease, settings)
+                raise
+            except (Retry, Ignore, Reject):
+                interrupter.disarm()
+                outcome = "retry"  # not finished: a later delivery runs it again
                 raise
             except BaseException:
                 interrupter.disarm()
@@ -302,8 +396,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             if hold is not None:
                 renewer.drop(hold)
             _current.reset(context_token)
-            self._release(lease)
+            self._release(lease, outcome, result)
             events.observe_hold(time.monotonic() - started)
+        failpoints.hit("after_ledger_before_ack")
         return result
 
     def _invoke_body(
@@ -321,10 +416,26 @@ class LeaseTask(Task):  # type: ignore[misc]
             self.pop_request()
             _task_stack.pop()
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: Lease, outcome: str, result: Any) -> None:
         assert lease.store is not None
+        failpoints.hit("inside_release")
+        recorded = None
+        if lease.identity is not None and outcome == "done":
+            try:
+                recorded = encode(result)
+            except LeaseConfigError as exc:
+                log.warning(
+                    "task %s: result not recorded for duplicates of identity %r: %s",
+                    self.name,
+                    lease.identity,
+                    exc,
+                )
         try:
-            if lease.store.release(lease):
+            if lease.store.release(
+                lease,
+                outcome=outcome if lease.identity is not None else None,
+                result=recorded,
+            ):
                 events.count("celery_lease_releases_total")
         except LeaseError as exc:
             log.warning(
@@ -341,7 +452,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             log.warning("task %s[%s] skipped: %s", self.name, request.id, busy)
             self._lease_event("task-lease-busy", action="skip", **_busy_fields(busy))
             raise Ignore(str(busy))
-        waits = int(request.get(WAITS_HEADER) or 0)
+        waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits:
             raise LeaseBusyError(
                 f"{busy} (gave up after {waits} busy waits; raise lease_busy_max_waits to wait "
@@ -361,7 +472,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         request = self.request
         if request.is_eager or request.called_directly:
             raise exc
-        waits = int(request.get(WAITS_HEADER) or 0)
+        waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits:
             raise exc
         delay = self._busy_delay(waits, settings)
@@ -390,7 +501,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         log.warning("task %s[%s]: %s", self.name, request.id, lost)
         if request.is_eager or request.called_directly:
             raise lost
-        retries = int(request.get(LOST_HEADER) or 0)
+        retries = int(_header(request, LOST_HEADER) or 0)
         if retries >= settings.lost_max_retries:
             raise LeaseLostError(
                 f"{lost} (gave up after {retries} re-runs; raise lease_lost_max_retries)",
@@ -455,6 +566,14 @@ def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:
     }
 
 
+def _header(request: Any, name: str) -> Any:
+    """A message header: top-level on a worker's request, in ``headers`` under apply()."""
+    value = request.get(name)
+    if value is None and isinstance(request.headers, dict):
+        value = request.headers.get(name)
+    return value
+
+
 def _owner_label(request: Any) -> str:
     host = request.hostname or socket.gethostname()
     return f"{host}:{os.getpid()}:{request.id or 'direct'}"
@@ -463,6 +582,9 @@ def _owner_label(request: Any) -> str:
 def lease_task(
     *args: Any,
     resource: str | Callable[..., str] | None = None,
+    identity: str | Callable[..., str] | bool | None = None,
+    reconcile: Callable[[Lease], None] | None = None,
+    reconcile_effect: Callable[[str, Lease], Any] | None = None,
     app: Any = None,
     base: type[LeaseTask] | None = None,
     **options: Any,
@@ -477,6 +599,13 @@ def lease_task(
     Args:
         resource: a ``str.format`` template over the task's arguments (positional or keyword,
             defaults applied, ``{obj.attr}`` allowed) or a callable taking the arguments.
+        identity: the execution's identity for dedup and the effect ledger: a template or
+            callable like ``resource``; default: the message's ``idempotency_key`` header, else
+            the task id; ``False`` turns dedup off for this task.
+        reconcile: ``reconcile(lease)``, called before the body when an earlier owner of the
+            work did not finish (``lease.recovered``).
+        reconcile_effect: ``reconcile_effect(key, lease)`` for an effect begun by an earlier
+            owner and never recorded done: return its receipt, or ``REDO``.
         app: register on this app instead of as a shared task.
         base: a ``LeaseTask`` subclass to use as the base class.
         **options: lease settings without the ``lease_`` prefix (``ttl``, ``on_busy``,
@@ -493,6 +622,18 @@ def lease_task(
     for name in SETTING_NAMES:
         if name in options:
             attrs[f"lease_{name}"] = options.pop(name)
+    if identity is not None:
+        if not (isinstance(identity, (str, bool)) or callable(identity)):
+            raise LeaseConfigError(
+                f"identity must be a template string, a callable or False, got "
+                f"{show_value(identity)}"
+            )
+        attrs["lease_identity"] = staticmethod(identity) if callable(identity) else identity
+    for hook_name, hook in (("reconcile", reconcile), ("reconcile_effect", reconcile_effect)):
+        if hook is not None:
+            if not callable(hook):
+                raise LeaseConfigError(f"{hook_name} must be callable, got {show_value(hook)}")
+            attrs[hook_name] = staticmethod(hook)
     if resource is not None:
         if not (isinstance(resource, str) or callable(resource)):
             raise LeaseConfigError(
@@ -503,9 +644,7 @@ def lease_task(
         raise LeaseConfigError(
             "lease_task needs resource=, e.g. @lease_task(resource='invoice:{invoice_id}')"
         )
-    LeaseSettings.resolve(
-        None, {k.removeprefix("lease_"): v for k, v in attrs.items() if k != "lease_resource"}
-    )
+    LeaseSettings.resolve(None, {name: attrs.get(f"lease_{name}") for name in SETTING_NAMES})
     register = app.task if app is not None else shared_task
     decorator = register(base=base, **attrs, **options)
     if len(args) == 1 and callable(args[0]) and not options:

@@ -1,0 +1,221 @@
+"""Identity, ledger, checkpoints and reconcile hooks at the task level (one process, eager).
+
+The store underneath is real (SQLite or Redis); the multi-process guarantees are tested with
+real workers in tests/integration.
+"""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from celery_lease import (
+    REDO,
+    EffectUnresolvedError,
+    LeaseConfigError,
+    Owner,
+    current_lease,
+    lease_task,
+)
+from celery_lease._app import get_store
+from celery_lease._events import METRICS
+from tests.conftest import unique
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def app(request, tmp_path):
+    app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+    if request.param == "sqlite":
+        app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+    else:
+        app.conf.lease_store_url = request.getfixturevalue("redis_server").url
+        app.conf.lease_key_prefix = unique("eo") + ":"
+    app.conf.lease_ttl = 5
+    return app
+
+
+def headers(key):
+    return {"headers": {"idempotency_key": key}}
+
+
+class TestDedup:
+    def test_a_completed_identity_returns_its_result_without_running(self, app):
+        """A second delivery with the same idempotency key does not run the body."""
+        runs = []
+
+        @lease_task(app=app, resource="inv:{n}")
+        def send(n):
+            runs.append(n)
+            return {"sent": n, "fence": current_lease().fence}
+
+        first = send.apply((17,), **headers("send-17")).get()
+        before = METRICS["celery_lease_duplicates_total"]
+        again = send.apply((17,), **headers("send-17")).get()
+        assert again == first and runs == [17]
+        assert METRICS["celery_lease_duplicates_total"] == before + 1
+        other = send.apply((17,), **headers("send-17-bis")).get()
+        assert other["fence"] > first["fence"] and runs == [17, 17]
+
+    def test_identity_template(self, app):
+        """identity= works like resource=: the same invoice runs once whatever the task id."""
+        runs = []
+
+        @lease_task(app=app, resource="customer:{customer}", identity="invoice:{invoice}")
+        def bill(customer, invoice):
+            runs.append(invoice)
+            return invoice * 10
+
+        assert [bill.apply((1, 5)).get() for _ in range(3)] == [50, 50, 50]
+        assert runs == [5]
+
+    def test_task_id_is_the_default_identity(self, app):
+        """Without a template or header, a redelivery (same task id) is recognised."""
+        runs = []
+
+        @lease_task(app=app, resource="r")
+        def job():
+            runs.append(current_lease().identity)
+            return "ok"
+
+        job.apply(task_id="fixed-id").get()
+        job.apply(task_id="fixed-id").get()
+        assert runs == ["fixed-id"]
+
+    def test_dedup_can_be_turned_off(self, app):
+        runs = []
+
+        @lease_task(app=app, resource="r", identity=False)
+        def job():
+            assert current_lease().identity is None
+            runs.append(1)
+
+        job.apply(task_id="same").get()
+        job.apply(task_id="same").get()
+        assert runs == [1, 1]
+
+    def test_a_failed_run_is_not_done(self, app):
+        """A failure leaves the identity open: the next delivery runs, told of the failure."""
+        seen = []
+
+        @lease_task(app=app, resource="r")
+        def flaky():
+            lease = current_lease()
+            seen.append((lease.identity_state, lease.recovered))
+            if len(seen) == 1:
+                raise RuntimeError("boom")
+            return "second time lucky"
+
+        assert isinstance(flaky.apply(**headers("k")).result, RuntimeError)
+        assert flaky.apply(**headers("k")).get() == "second time lucky"
+        assert seen == [(None, False), ("failed", True)]
+
+    def test_bad_identity_values(self, app):
+        @lease_task(app=app, resource="r", identity="x {n}")
+        def job(n):
+            pass
+
+        with pytest.raises(LeaseConfigError, match="identity"):
+            job.apply((1,), throw=True)
+
+
+class TestEffects:
+    def test_an_effect_runs_once_across_attempts(self, app):
+        """Done effects come back as receipts when a failed attempt is run again."""
+        charged = []
+
+        @lease_task(app=app, resource="inv:{n}")
+        def charge(n):
+            lease = current_lease()
+            receipt = lease.effect(f"charge:{n}")(lambda: charged.append(n) or f"ch_{n}")
+            if len(charged) == 1 and not lease.recovered:
+                raise RuntimeError("crash after the charge")
+            return receipt
+
+        assert isinstance(charge.apply((42,), **headers("c42")).result, RuntimeError)
+        assert charge.apply((42,), **headers("c42")).get() == "ch_42"
+        assert charged == [42]
+
+    def test_context_manager_form(self, app):
+        @lease_task(app=app, resource="r")
+        def job():
+            with current_lease().effect("email:welcome") as effect:
+                assert not effect.done
+                effect.receipt = {"message_id": "m1"}
+            with current_lease().effect("email:welcome") as again:
+                assert again.done and again.replayed and again.receipt == {"message_id": "m1"}
+            return effect.receipt
+
+        assert job.apply().get() == {"message_id": "m1"}
+
+    def test_an_unfinished_effect_without_a_hook_stops_the_task(self, app):
+        """Intent without done and no reconcile_effect: fail clearly, never replay."""
+        store_box = {}
+
+        @lease_task(app=app, resource="d:{n}")
+        def deploy(n):
+            lease = current_lease()
+            store_box["store"] = lease.store
+            lease.effect("deploy")(lambda: "v2")
+
+        crash_after_intent(app, "d:1", "deploy-1", "deploy")
+        result = deploy.apply((1,), **headers("deploy-1"))
+        assert isinstance(result.result, EffectUnresolvedError)
+        assert "reconcile_effect" in str(result.result)
+
+    @pytest.mark.parametrize(("answer", "runs"), [("already-live", 0), (REDO, 1)])
+    def test_reconcile_effect_decides(self, app, answer, runs):
+        """The hook's receipt settles the effect; REDO runs it again."""
+        calls, effects = [], []
+
+        def reconcile_effect(key, lease):
+            calls.append((key, lease.recovered))
+            return answer
+
+        @lease_task(app=app, resource="d:{n}", reconcile_effect=reconcile_effect)
+        def deploy(n):
+            return current_lease().effect("deploy")(lambda: effects.append(1) or "v2")
+
+        crash_after_intent(app, "d:2", "deploy-2", "deploy")
+        receipt = deploy.apply((2,), **headers("deploy-2")).get()
+        assert calls == [("deploy", True)]
+        assert len(effects) == runs
+        assert receipt == ("v2" if answer is REDO else "already-live")
+
+    def test_effects_need_an_identity(self, app):
+        @lease_task(app=app, resource="r", identity=False)
+        def job():
+            current_lease().effect("x")
+
+        with pytest.raises(LeaseConfigError, match="identity"):
+            job.apply(throw=True)
+
+
+class TestCheckpointsAndReconcile:
+    def test_reconcile_sees_the_checkpoints_of_the_attempt_that_did_not_finish(self, app):
+        """A retry of a half-done job starts from its last checkpoint."""
+        reconciled = []
+
+        def reconcile(lease):
+            reconciled.append((lease.identity_state, dict(lease.checkpoints)))
+
+        @lease_task(app=app, resource="crawl:{site}", reconcile=reconcile)
+        def crawl(site):
+            lease = current_lease()
+            start = lease.checkpoints.get("page", 0)
+            for page in range(start, 3):
+                lease.checkpoint("page", page + 1)
+                if page == 1 and not lease.recovered:
+                    raise RuntimeError("worker died on page 2")
+            return lease.checkpoints
+
+        assert isinstance(crawl.apply(("a",), **headers("crawl-a")).result, RuntimeError)
+        assert crawl.apply(("a",), **headers("crawl-a")).get() == {"page": 3}
+        assert reconciled == [("failed", {"page": 2})]
+
+
+def crash_after_intent(app, resource, identity, key):
+    """Leave what a crash between an effect's intent and its done leaves: an open intent."""
+    store = get_store(app)
+    lease = store.acquire(resource, Owner.new("crashed"), 5, identity=identity)
+    assert store.effect_begin(lease, key)[0] == "new"
+    store.release(lease, outcome="retry")
