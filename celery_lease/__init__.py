@@ -6,6 +6,7 @@ from ._app import install
 from ._errors import (
     EffectUnresolvedError,
     IdentityDoneError,
+    InvalidFenceTokenError,
     LeaseBusyError,
     LeaseConfigError,
     LeaseError,
@@ -27,6 +28,7 @@ __all__ = [
     "EffectUnresolvedError",
     "FenceGate",
     "IdentityDoneError",
+    "InvalidFenceTokenError",
     "Lease",
     "LeaseBusyError",
     "LeaseConfigError",

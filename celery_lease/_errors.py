@@ -11,7 +11,8 @@
     │                           the outcome of the operation is unknown
     ├── LeaseConfigError        bad input or settings: the message names the value and the fix
     ├── IdentityDoneError       the task identity already completed (a duplicate delivery)
-    └── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
+    ├── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
+    └── InvalidFenceTokenError  a fencing token was forged, tampered with, expired or malformed
 
 Every error keeps its whole state in ``args`` (the message first, then plain JSON-friendly
 values), so it survives pickling and ``cls(*exc.args)``, which is how Celery rebuilds an
@@ -26,6 +27,7 @@ from typing import Any
 __all__ = [
     "EffectUnresolvedError",
     "IdentityDoneError",
+    "InvalidFenceTokenError",
     "LeaseBusyError",
     "LeaseConfigError",
     "LeaseError",
@@ -232,3 +234,9 @@ class EffectUnresolvedError(LeaseError):
     Define ``reconcile_effect(self, key, lease)`` on the task to look at the outside world and
     return the receipt (it happened) or ``REDO`` (it did not).
     """
+
+
+class InvalidFenceTokenError(LeaseError):
+    """A fencing token presented to a side effect is malformed, forged, tampered with,
+    expired, signed with an unknown key, or names another resource. Reject the request
+    (an HTTP gateway answers 403); unlike a stale fence this is not a lost race."""

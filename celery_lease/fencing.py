@@ -1,0 +1,286 @@
+"""Fenced side effects: SQL rows, Redis keys and HTTP tool gateways that reject stale owners.
+
+A fence is only useful if the side effect checks it, atomically with the write:
+
+* :func:`fenced_update` - a SQLAlchemy ``UPDATE ... SET ..., fence = :fence WHERE ... AND
+  fence <= :fence`` for Core tables and ORM models.
+* :func:`fenced_set`, :func:`fenced_hset` - Redis writes by script that keep the highest fence
+  next to the data.
+* :func:`fencing_headers` and :func:`check_fencing_token` - an HTTP header (``Fencing-Token``)
+  that a client sets and any WSGI/ASGI gateway checks, optionally signed with HMAC-SHA256
+  (:class:`FenceSigner`, key ids for rotation) so that a caller cannot forge a higher fence.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from . import _events as events
+from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
+from ._fencing import FenceGate
+from ._lease import Lease
+from ._names import show_value, validate_resource
+
+__all__ = [
+    "FENCING_HEADER",
+    "FenceSigner",
+    "check_fencing_token",
+    "fenced_get",
+    "fenced_hset",
+    "fenced_set",
+    "fenced_update",
+    "fencing_headers",
+    "token_from_request",
+]
+
+FENCING_HEADER = "Fencing-Token"
+_KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
+def _fence_of(fence: int | Lease) -> int:
+    value = fence.fence if isinstance(fence, Lease) else fence
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LeaseConfigError(f"a fence is an integer, got {show_value(fence)}")
+    return value
+
+
+# -- SQL ------------------------------------------------------------------------------------------
+def fenced_update(
+    connection: Any,
+    target: Any,
+    where: Any,
+    values: Mapping[str, Any],
+    fence: int | Lease,
+    *,
+    fence_column: str = "fence",
+) -> int:
+    """Update rows only if their fence is not newer than ``fence``, and store ``fence``.
+
+    One ``UPDATE`` statement: ``SET <values>, <fence_column> = :fence WHERE <where> AND
+    <fence_column> <= :fence`` (a NULL fence counts as older than any). Works with a Core
+    ``Table`` or an ORM model, on a ``Connection`` or a ``Session``.
+
+    Returns:
+        the number of rows updated (>= 1).
+
+    Raises:
+        StaleFenceError: a matching row carries a newer fence; nothing was written.
+        LookupError: no row matches ``where``.
+    """
+    import sqlalchemy as sa
+
+    value = _fence_of(fence)
+    table = target.__table__ if hasattr(target, "__table__") else target
+    column = table.c[fence_column]
+    statement = (
+        sa.update(table)
+        .where(where)
+        .where(sa.or_(column.is_(None), column <= value))
+        .values({**values, fence_column: value})
+    )
+    result = connection.execute(statement)
+    if result.rowcount:
+        return int(result.rowcount)
+    newest = connection.execute(sa.select(sa.func.max(column)).where(where)).scalar()
+    exists = connection.execute(sa.select(sa.func.count()).select_from(table).where(where))
+    if not exists.scalar():
+        raise LookupError(f"no row of {table.name} matches the fenced update's condition")
+    events.count("celery_lease_stale_fence_rejections_total")
+    raise StaleFenceError.rejected(f"{table.name} row", value, newest)
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+_SET_SCRIPT = """
+-- KEYS[1] the hash that holds the value and its fence
+-- ARGV[1] fence, ARGV[2] fence field, then field/value pairs
+-- writes the pairs and the fence unless the stored fence is newer
+-- returns {1, fence} when written, {0, stored fence} when refused
+local stored = redis.call('HGET', KEYS[1], ARGV[2])
+if stored and tonumber(stored) > tonumber(ARGV[1]) then return {0, tonumber(stored)} end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[1])
+return {1, tonumber(ARGV[1])}
+"""
+_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def fenced_hset(
+    client: Any,
+    key: str,
+    mapping: Mapping[str, Any],
+    fence: int | Lease,
+    *,
+    fence_field: str = "fence",
+) -> int:
+    """Write ``mapping`` into the Redis hash ``key`` unless it carries a newer fence.
+
+    One script call; the hash keeps the highest fence in ``fence_field``.
+
+    Raises:
+        StaleFenceError: the hash carries a newer fence; nothing was written.
+    """
+    value = _fence_of(fence)
+    if fence_field in mapping:
+        raise LeaseConfigError(f"mapping must not contain the fence field {fence_field!r}")
+    script = _scripts.get(client)
+    if script is None:
+        script = _scripts[client] = client.register_script(_SET_SCRIPT)
+    args: list[Any] = [value, fence_field]
+    for field, item in mapping.items():
+        args += [field, item]
+    ok, stored = script(keys=[key], args=args)
+    if not ok:
+        events.count("celery_lease_stale_fence_rejections_total")
+        raise StaleFenceError.rejected(key, value, int(stored))
+    return value
+
+
+def fenced_set(client: Any, key: str, value: Any, fence: int | Lease) -> int:
+    """Fenced SET: stores ``value`` in the hash ``key`` (field ``value``) with its fence."""
+    return fenced_hset(client, key, {"value": value}, fence)
+
+
+def fenced_get(client: Any, key: str) -> tuple[Any, int | None]:
+    """Read what :func:`fenced_set` wrote: ``(value, fence)`` (``(None, None)`` if absent)."""
+    value, fence = client.hmget(key, ["value", "fence"])
+    return value, None if fence is None else int(fence)
+
+
+# -- HTTP -----------------------------------------------------------------------------------------
+class FenceSigner:
+    """HMAC-SHA256 signatures for fencing tokens that leave the process.
+
+    Args:
+        keys: key id -> secret (bytes or str, at least 32 bytes). Keep old keys here while
+            tokens signed with them may still be in flight; sign with ``active``.
+        active: the key id new tokens are signed with.
+    """
+
+    def __init__(self, keys: Mapping[str, bytes | str], active: str) -> None:
+        self._keys: dict[str, bytes] = {}
+        for kid, secret in keys.items():
+            if not _KID.fullmatch(kid):
+                raise LeaseConfigError(f"key id {kid!r} must be 1..32 of A-Z a-z 0-9 _ -")
+            raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+            if len(raw) < 32:
+                raise LeaseConfigError(f"the secret of key {kid!r} must be at least 32 bytes")
+            self._keys[kid] = raw
+        if active not in self._keys:
+            raise LeaseConfigError(f"active key {active!r} is not among the keys")
+        self.active = active
+
+    def _mac(self, kid: str, payload: str) -> str:
+        digest = hmac.new(self._keys[kid], payload.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    def sign(self, resource: str, fence: int, *, expires_in: float | None = None) -> str:
+        """A token ``v1.<kid>.<resource b64>.<fence>.<expiry or 0>.<mac>``."""
+        validate_resource(resource)
+        expiry = 0 if expires_in is None else int(time.time() + expires_in)
+        encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")
+        payload = f"v1.{self.active}.{encoded}.{int(fence)}.{expiry}"
+        return f"{payload}.{self._mac(self.active, payload)}"
+
+    def verify(self, token: str) -> tuple[str, int]:
+        """Check a token's signature and expiry; return ``(resource, fence)``.
+
+        Raises:
+            InvalidFenceTokenError: malformed, unknown key, bad signature or expired.
+        """
+        parts = token.split(".")
+        if len(parts) != 6 or parts[0] != "v1":
+            raise InvalidFenceTokenError("malformed signed fencing token")
+        _, kid, encoded, fence, expiry, mac = parts
+        if kid not in self._keys:
+            raise InvalidFenceTokenError(f"fencing token signed with unknown key {kid!r}")
+        expected = self._mac(kid, ".".join(parts[:5]))
+        if not hmac.compare_digest(expected, mac):
+            raise InvalidFenceTokenError("fencing token signature does not match (forged?)")
+        try:
+            resource = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+            value, deadline = int(fence), int(expiry)
+        except ValueError:
+            raise InvalidFenceTokenError("malformed signed fencing token") from None
+        if deadline and time.time() > deadline:
+            raise InvalidFenceTokenError("fencing token expired")
+        return resource, value
+
+
+def fencing_headers(lease: Lease, *, signer: FenceSigner | None = None) -> dict[str, str]:
+    """Headers a client sends with a fenced call: ``{"Fencing-Token": ...}``.
+
+    Unsigned: ``<resource>;<fence>``. With a signer: a signed token, so the gateway can reject a
+    caller that invents a higher fence.
+    """
+    if signer is not None:
+        return {FENCING_HEADER: signer.sign(lease.resource, lease.fence)}
+    return {FENCING_HEADER: f"{lease.resource};{lease.fence}"}
+
+
+def token_from_request(request: Any) -> str | None:
+    """The Fencing-Token header from a WSGI environ, an ASGI scope or a headers mapping."""
+    if isinstance(request, Mapping):
+        if "HTTP_FENCING_TOKEN" in request:  # WSGI environ
+            return str(request["HTTP_FENCING_TOKEN"])
+        if request.get("type") in ("http", "websocket") and "headers" in request:  # ASGI scope
+            for name, value in request["headers"]:
+                if name.decode("latin-1").lower() == FENCING_HEADER.lower():
+                    return str(value.decode("latin-1"))
+            return None
+        for name, value in request.items():  # plain headers
+            if str(name).lower() == FENCING_HEADER.lower():
+                return str(value)
+    return None
+
+
+def check_fencing_token(
+    request: Any,
+    gate: FenceGate,
+    *,
+    key: str | None = None,
+    resource: str | None = None,
+    signer: FenceSigner | None = None,
+) -> int:
+    """Admit the request's fencing token through ``gate``; usable in any WSGI/ASGI app.
+
+    Args:
+        request: a WSGI environ, an ASGI scope, a headers mapping, or the header's value.
+        gate: where the highest admitted fence per key lives.
+        key: the gate key (default: the token's resource).
+        resource: when given, the token must name this resource.
+        signer: require a valid signature (rejects forged and tampered tokens).
+
+    Returns:
+        the admitted fence.
+
+    Raises:
+        InvalidFenceTokenError: missing, malformed, unsigned when a signature is required,
+            forged, tampered with, expired, or naming another resource (answer 403).
+        StaleFenceError: a newer fence was admitted for the key (answer 409).
+    """
+    token = request if isinstance(request, str) else token_from_request(request)
+    if not token:
+        raise InvalidFenceTokenError(f"the request carries no {FENCING_HEADER} header")
+    if signer is not None:
+        named, fence = signer.verify(token)
+    else:
+        named, sep, raw = token.rpartition(";")
+        if not sep or not raw.isdigit():
+            raise InvalidFenceTokenError(
+                f"malformed {FENCING_HEADER} header {show_value(token)}; expected "
+                "<resource>;<fence>"
+            )
+        fence = int(raw)
+    if resource is not None and named != resource:
+        raise InvalidFenceTokenError(
+            f"fencing token names {named!r}, not {resource!r}: refusing a token for another "
+            "resource"
+        )
+    return gate.admit(key or validate_resource(named), fence)

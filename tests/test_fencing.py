@@ -1,0 +1,245 @@
+"""Fenced side effects: SQL rows, Redis hashes and an HTTP tool gateway on loopback.
+
+Each protection has a negative control: the same write without the fence check is accepted
+even though it is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from celery_lease import FenceGate, InvalidFenceTokenError, Owner, StaleFenceError
+from celery_lease.fencing import (
+    FENCING_HEADER,
+    FenceSigner,
+    check_fencing_token,
+    fenced_get,
+    fenced_hset,
+    fenced_set,
+    fenced_update,
+    fencing_headers,
+    token_from_request,
+)
+from celery_lease.stores import MemoryLeaseStore
+from tests.conftest import unique
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def engine(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/app.db"
+    else:
+        url = request.getfixturevalue("postgres_server").url
+    engine = sa.create_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def accounts_table(engine):
+    metadata = sa.MetaData()
+    table = sa.Table(
+        unique("accounts_"),
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("balance", sa.Integer, nullable=False),
+        sa.Column("fence", sa.BigInteger, nullable=True),
+    )
+    metadata.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(table.insert().values(id=1, balance=100, fence=None))
+    return table
+
+
+class TestSqlFencedUpdate:
+    def test_newer_or_equal_fence_writes_and_older_is_refused(self, engine):
+        """The row keeps the highest fence; a stale writer changes nothing."""
+        table = accounts_table(engine)
+        where = table.c.id == 1
+        with engine.begin() as conn:
+            assert fenced_update(conn, table, where, {"balance": 90}, 5) == 1
+            assert fenced_update(conn, table, where, {"balance": 80}, 5) == 1
+            with pytest.raises(StaleFenceError) as caught:
+                fenced_update(conn, table, where, {"balance": 0}, 4)
+            assert (caught.value.fence, caught.value.highest) == (4, 5)
+            row = conn.execute(sa.select(table.c.balance, table.c.fence)).one()
+        assert tuple(row) == (80, 5)
+
+    def test_negative_control_a_plain_update_accepts_the_stale_write(self, engine):
+        """Without the fence condition the stale owner's write lands."""
+        table = accounts_table(engine)
+        with engine.begin() as conn:
+            fenced_update(conn, table, table.c.id == 1, {"balance": 90}, 5)
+            conn.execute(sa.update(table).where(table.c.id == 1).values(balance=0, fence=4))
+            assert conn.execute(sa.select(table.c.balance)).scalar() == 0
+
+    def test_missing_row(self, engine):
+        table = accounts_table(engine)
+        with engine.begin() as conn, pytest.raises(LookupError):
+            fenced_update(conn, table, table.c.id == 2, {"balance": 1}, 1)
+
+    def test_orm_model_in_a_session(self, engine):
+        """ORM models and Sessions work the same way."""
+        name = unique("orm_")
+
+        class Base(DeclarativeBase):
+            pass
+
+        class Page(Base):
+            __tablename__ = name
+            id: Mapped[int] = mapped_column(primary_key=True)
+            title: Mapped[str]
+            fence: Mapped[int | None]
+
+        Base.metadata.create_all(engine)
+        with Session(engine) as session:
+            session.add(Page(id=1, title="draft", fence=None))
+            session.commit()
+            lease = MemoryLeaseStore().acquire("page-1", Owner.new(), 30)
+            fenced_update(session, Page, Page.id == 1, {"title": "published"}, lease)
+            with pytest.raises(StaleFenceError):
+                fenced_update(session, Page, Page.id == 1, {"title": "stale"}, lease.fence - 1)
+            session.commit()
+            assert session.get(Page, 1).title == "published"
+
+
+class TestRedisFencedWrites:
+    def test_fenced_set_and_hset(self, redis_server):
+        """Writes carry the fence; an older fence is refused and the value stays."""
+        client = redis.Redis.from_url(redis_server.url)
+        key = unique("doc:")
+        assert fenced_set(client, key, "v1", 7) == 7
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_set(client, key, "stale", 6)
+        assert caught.value.highest == 7
+        assert fenced_get(client, key) == (b"v1", 7)
+        fenced_hset(client, key, {"owner": "w2", "value": "v2"}, 8)
+        assert client.hgetall(key) == {b"value": b"v2", b"owner": b"w2", b"fence": b"8"}
+
+    def test_negative_control_a_plain_hset_accepts_the_stale_write(self, redis_server):
+        client = redis.Redis.from_url(redis_server.url)
+        key = unique("doc:")
+        fenced_set(client, key, "v1", 7)
+        client.hset(key, mapping={"value": "stale", "fence": 6})
+        assert fenced_get(client, key) == (b"stale", 6)
+
+
+SECRET = "k" * 32
+
+
+class TestHttpTokens:
+    def test_unsigned_token_round_trip_and_stale_refusal(self):
+        store = MemoryLeaseStore()
+        gate = FenceGate(store=store)
+        lease = store.acquire("acct-1", Owner.new(), 30)
+        headers = fencing_headers(lease)
+        assert check_fencing_token(headers, gate) == lease.fence
+        with pytest.raises(StaleFenceError):
+            check_fencing_token({FENCING_HEADER: f"acct-1;{lease.fence - 1}"}, gate)
+
+    def test_a_forged_higher_fence_and_a_tampered_token_are_refused(self):
+        """With a signer, inventing a fence or editing a signed one does not pass."""
+        signer = FenceSigner({"k1": SECRET}, active="k1")
+        gate = FenceGate("memory://")
+        good = signer.sign("acct-1", 5)
+        assert check_fencing_token({FENCING_HEADER: good}, gate, signer=signer) == 5
+        forged_unsigned = {FENCING_HEADER: "acct-1;999"}
+        with pytest.raises(InvalidFenceTokenError):
+            check_fencing_token(forged_unsigned, gate, signer=signer)
+        other_key = FenceSigner({"k1": "x" * 32}, active="k1").sign("acct-1", 999)
+        with pytest.raises(InvalidFenceTokenError, match="signature"):
+            check_fencing_token({FENCING_HEADER: other_key}, gate, signer=signer)
+        parts = good.split(".")
+        parts[3] = "999"
+        with pytest.raises(InvalidFenceTokenError, match="signature"):
+            check_fencing_token({FENCING_HEADER: ".".join(parts)}, gate, signer=signer)
+        assert gate.highest("acct-1") == 5  # nothing forged got in
+
+    def test_negative_control_without_a_signer_a_forged_fence_locks_out_the_owner(self):
+        """Unsigned tokens trust the caller: a forged high fence blocks the real owner."""
+        gate = FenceGate("memory://")
+        check_fencing_token({FENCING_HEADER: "acct-1;999"}, gate)
+        with pytest.raises(StaleFenceError):
+            check_fencing_token({FENCING_HEADER: "acct-1;5"}, gate)
+
+    def test_key_rotation_expiry_and_resource_binding(self):
+        old = FenceSigner({"k1": SECRET}, active="k1")
+        rotated = FenceSigner({"k1": SECRET, "k2": "z" * 32}, active="k2")
+        only_new = FenceSigner({"k2": "z" * 32}, active="k2")
+        token = old.sign("acct-1", 3)
+        assert rotated.verify(token) == ("acct-1", 3)
+        with pytest.raises(InvalidFenceTokenError, match="unknown key"):
+            only_new.verify(token)
+        with pytest.raises(InvalidFenceTokenError, match="expired"):
+            old.verify(old.sign("acct-1", 3, expires_in=-1))
+        gate = FenceGate("memory://")
+        with pytest.raises(InvalidFenceTokenError, match="another resource"):
+            check_fencing_token(old.sign("acct-2", 9), gate, signer=old, resource="acct-1")
+
+    def test_header_extraction_from_wsgi_asgi_and_mappings(self):
+        assert token_from_request({"HTTP_FENCING_TOKEN": "a;1"}) == "a;1"
+        scope = {"type": "http", "headers": [(b"fencing-token", b"a;2")]}
+        assert token_from_request(scope) == "a;2"
+        assert token_from_request({"fencing-token": "a;3"}) == "a;3"
+        with pytest.raises(InvalidFenceTokenError, match="no Fencing-Token"):
+            check_fencing_token({}, FenceGate("memory://"))
+
+
+def test_a_wsgi_tool_gateway_rejects_a_stale_owner_over_http():
+    """A real WSGI gateway on loopback: the newest owner's call passes, the stale one gets 409,
+    a forged one 403."""
+    signer = FenceSigner({"k1": SECRET}, active="k1")
+    gate = FenceGate("memory://")
+    actions = []
+
+    def gateway(environ, start_response):
+        try:
+            fence = check_fencing_token(environ, gate, signer=signer, resource="browser-1")
+        except StaleFenceError as exc:
+            start_response("409 Conflict", [("Content-Type", "text/plain")])
+            return [str(exc).encode()]
+        except InvalidFenceTokenError as exc:
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [str(exc).encode()]
+        actions.append(fence)
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps({"fence": fence}).encode()]
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = make_server("127.0.0.1", 0, gateway, handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        store = MemoryLeaseStore()
+        old = store.acquire("browser-1", Owner.new("old"), 30)
+        store.force_release("browser-1")
+        new = store.acquire("browser-1", Owner.new("new"), 30)
+
+        def call(headers):
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{server.server_port}/click", headers=headers
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert call(fencing_headers(new, signer=signer)) == 200
+        assert call(fencing_headers(old, signer=signer)) == 409
+        assert call({FENCING_HEADER: f"browser-1;{new.fence + 100}"}) == 403
+        assert actions == [new.fence]
+    finally:
+        server.shutdown()
+        server.server_close()
