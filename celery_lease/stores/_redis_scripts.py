@@ -5,8 +5,8 @@ so no user input ever becomes part of a lease key name or pattern)::
 
     <prefix>{NN}:leases    hash   resource -> "<token> <fence> <acquired_us> <expires_us> <label>"
     <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
-    <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset)
-    <prefix>{NN}:epoch     string server time (us) when this shard's data was first written
+    <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset), and
+                                  "!epoch" -> server time (us) when the shard was first written
     <prefix>{NN}:ids       hash   "<resource>|<identity>" -> "<state>\n<fence>\n<label>\n<result>"
     <prefix>{NN}:ids_exp   zset   "<resource>|<identity>" -> when the record expires (us)
     <prefix>{NN}:ckpt      hash   "<resource>|<identity>" -> "<fence>\n<checkpoints json>"
@@ -25,14 +25,18 @@ as long as the server clock does not step back.
 
 from __future__ import annotations
 
-# Shared Lua prelude: server time in microseconds and the record codec.
-_PRELUDE = """
+# Lua building blocks; each script includes only what it uses (every line costs server time).
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function fmt(n) return string.format('%.0f', n) end
+"""
+_PARSE = """
 local function parse(rec)
   return string.match(rec, '^(%x+) (%d+) (%d+) (%d+) (.*)$')
 end
+"""
+_IDENT = """
 local function parse_ident(rec)
   return string.match(rec, '^([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
 end
@@ -46,11 +50,12 @@ local function trim(index, now, hash1, hash2)
   end
 end
 """
+_PRELUDE = _NOW + _PARSE + _IDENT
 
 ACQUIRE = (
     """
--- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash, KEYS[4] epoch,
--- KEYS[5] ids hash, KEYS[6] ids_exp zset, KEYS[7] ckpt hash
+-- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash (with the shard "!epoch"),
+-- KEYS[4] ids hash, KEYS[5] ids_exp zset, KEYS[6] ckpt hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us),
 -- ARGV[5] identity or '', ARGV[6] retention (us)
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
@@ -58,14 +63,18 @@ ACQUIRE = (
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch}
 --      or {2, fence, result} when the identity is already done (nothing claimed)
 """
-    + _PRELUDE
+    + _NOW
+    + _PARSE
     + """
-local member = ARGV[1] .. '|' .. ARGV[5]
-local ident, ist, ifence, ilabel = false, false, false, false
+local member, ident, ist, ifence, ilabel = false, false, false, false, false
 if ARGV[5] ~= '' then
-  trim(KEYS[6], now, KEYS[5], KEYS[7])
-  ident = redis.call('HGET', KEYS[5], member)
-  local kept = redis.call('ZSCORE', KEYS[6], member)
+"""
+    + _IDENT
+    + """
+  member = ARGV[1] .. '|' .. ARGV[5]
+  trim(KEYS[5], now, KEYS[4], KEYS[6])
+  ident = redis.call('HGET', KEYS[4], member)
+  local kept = redis.call('ZSCORE', KEYS[5], member)
   if ident and (not kept or tonumber(kept) <= now) then ident = false end  -- past retention
   if ident then
     local result
@@ -73,10 +82,11 @@ if ARGV[5] ~= '' then
     if ist == 'done' then return {2, tonumber(ifence), result} end
   end
 end
-local epoch = redis.call('GET', KEYS[4])
+local got = redis.call('HMGET', KEYS[3], ARGV[1], '!epoch')
+local epoch = got[2]
 if not epoch then
   epoch = fmt(now)
-  redis.call('SET', KEYS[4], epoch)
+  redis.call('HSET', KEYS[3], '!epoch', epoch)
 end
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local prev_label, prev_fence = false, false
@@ -95,22 +105,23 @@ if cur then
   end
 end
 if not fence then
-  fence = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') + 1
+  fence = tonumber(got[1] or '0') + 1
   if fence < now then fence = now end
-  redis.call('HSET', KEYS[3], ARGV[1], fmt(fence))
+  local fs = fmt(fence)
+  redis.call('HSET', KEYS[3], ARGV[1], fs)
   redis.call('HSET', KEYS[1], ARGV[1],
-    ARGV[2] .. ' ' .. fmt(fence) .. ' ' .. fmt(now) .. ' ' .. fmt(exp) .. ' ' .. ARGV[3])
+    ARGV[2] .. ' ' .. fs .. ' ' .. fmt(now) .. ' ' .. fmt(exp) .. ' ' .. ARGV[3])
   redis.call('ZADD', KEYS[2], exp, ARGV[1])
 end
 local ckpt = false
-if ARGV[5] ~= '' then
+if member then
   if ident and tonumber(ifence) ~= fence then
-    ckpt = redis.call('HGET', KEYS[7], member)
+    ckpt = redis.call('HGET', KEYS[6], member)
   else
     ist, ifence, ilabel = false, false, false
   end
-  redis.call('HSET', KEYS[5], member, 'running\\n' .. fmt(fence) .. '\\n' .. ARGV[3] .. '\\n')
-  redis.call('ZADD', KEYS[6], now + tonumber(ARGV[6]), member)
+  redis.call('HSET', KEYS[4], member, 'running\\n' .. fmt(fence) .. '\\n' .. ARGV[3] .. '\\n')
+  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), member)
 end
 return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt}
 """
@@ -118,21 +129,22 @@ return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ila
 
 RENEW = (
     """
--- KEYS[3i-2] leases hash, KEYS[3i-1] expiry zset and KEYS[3i] epoch key of lease i's shard
+-- KEYS[3i-2] leases hash, KEYS[3i-1] expiry zset and KEYS[3i] fences hash of lease i's shard
 -- ARGV[4i-3] resource, ARGV[4i-2] owner token, ARGV[4i-1] fence, ARGV[4i] ttl (us) of lease i;
 -- a ttl of 0 only verifies the lease and changes nothing
 -- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence};
 -- reason 'store_reset' when the shard's epoch is gone (the server lost its data)
 """
-    + _PRELUDE
+    + _NOW
+    + _PARSE
     + """
 local out = {now}
 for i = 1, #KEYS / 3 do
-  local leases, expiry, epoch = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local leases, expiry, fences = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local res, tok, fence, ttl = ARGV[4 * i - 3], ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i]
   local cur = redis.call('HGET', leases, res)
   if not cur then
-    if redis.call('EXISTS', epoch) == 0 then
+    if redis.call('HEXISTS', fences, '!epoch') == 0 then
       out[#out + 1] = {0, 'store_reset'}
     else
       out[#out + 1] = {0, 'released'}
@@ -158,29 +170,41 @@ return out
 """
 )
 
-RELEASE = (
+RELEASE = """
+-- KEYS[1] leases hash, KEYS[2] expiry zset
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence
+-- returns 1 when released, 0 when the lease was not this owner's (nothing changed)
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local tok, f = string.match(cur, '^(%x+) (%d+) ')
+if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+RELEASE_OUTCOME = (
     """
 -- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] ids hash, KEYS[4] ids_exp zset
--- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity or '',
--- ARGV[5] outcome ('done', 'failed', 'retry') or '', ARGV[6] result (JSON) or '',
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity,
+-- ARGV[5] outcome ('done', 'failed', 'retry'), ARGV[6] result (JSON) or '',
 -- ARGV[7] retention (us)
 -- records the identity's outcome if it still carries this fence, then releases the lease
 -- returns 1 when released, 0 when the lease was not this owner's (the lease is unchanged)
 """
-    + _PRELUDE
+    + _NOW
+    + _IDENT
     + """
-if ARGV[5] ~= '' then
-  local member = ARGV[1] .. '|' .. ARGV[4]
-  local ident = redis.call('HGET', KEYS[3], member)
-  if ident then
-    local st, f, label = parse_ident(ident)
-    if f == ARGV[3] and st ~= 'done' then
-      local result = ''
-      if ARGV[5] == 'done' then result = ARGV[6] end
-      local rec = ARGV[5] .. '\\n' .. f .. '\\n' .. label .. '\\n' .. result
-      redis.call('HSET', KEYS[3], member, rec)
-      redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), member)
-    end
+local member = ARGV[1] .. '|' .. ARGV[4]
+local ident = redis.call('HGET', KEYS[3], member)
+if ident then
+  local st, f, label = parse_ident(ident)
+  if f == ARGV[3] and st ~= 'done' then
+    local result = ''
+    if ARGV[5] == 'done' then result = ARGV[6] end
+    local rec = ARGV[5] .. '\\n' .. f .. '\\n' .. label .. '\\n' .. result
+    redis.call('HSET', KEYS[3], member, rec)
+    redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), member)
   end
 end
 local cur = redis.call('HGET', KEYS[1], ARGV[1])

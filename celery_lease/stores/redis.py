@@ -8,11 +8,11 @@ in ``ARGV``. Driver errors become :class:`LeaseStoreError` in :meth:`RedisLeaseS
 from __future__ import annotations
 
 import builtins
+import hashlib
 import logging
 import re
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from .._errors import (
@@ -48,6 +48,50 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 __all__ = ["RedisLeaseStore"]
+
+_KEY_KINDS = ("leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
+
+
+class _Translate:
+    """Context manager turning redis errors into LeaseStoreError (cheaper than a generator)."""
+
+    __slots__ = ("subject", "url", "what")
+
+    def __init__(self, url: str, what: str, subject: object) -> None:
+        self.url, self.what, self.subject = url, what, subject
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and isinstance(exc, redis.RedisError):
+            what = self.what % self.subject if self.subject is not None else self.what
+            raise LeaseStoreError(
+                f"Redis lease store {self.url} failed during {what}: "
+                f"{type(exc).__name__}: {exc}; the outcome is unknown"
+            ) from exc
+
+
+class _Script:
+    """A Lua script of one store: EVALSHA, loading it once when the server lacks it.
+
+    (redis-py's Script object does the same with more indirection per call.)
+    """
+
+    __slots__ = ("client", "sha", "source")
+
+    def __init__(self, client: Any, source: str) -> None:
+        self.client = client
+        self.source = source
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+    def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.sha = self.client.script_load(self.source)
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
+
 
 log = logging.getLogger(__name__)
 
@@ -126,17 +170,31 @@ class RedisLeaseStore(BaseLeaseStore):
         self.shards = shards
         self.require_noeviction = require_noeviction
         self.require_persistence = require_persistence
-        self._acquire = client.register_script(lua.ACQUIRE)
-        self._renew = client.register_script(lua.RENEW)
-        self._release = client.register_script(lua.RELEASE)
-        self._get = client.register_script(lua.GET)
-        self._force_release = client.register_script(lua.FORCE_RELEASE)
-        self._list = client.register_script(lua.LIST)
-        self._gate_admit = client.register_script(lua.GATE_ADMIT)
-        self._effect_begin = client.register_script(lua.EFFECT_BEGIN)
-        self._effect_done = client.register_script(lua.EFFECT_DONE)
-        self._checkpoint = client.register_script(lua.CHECKPOINT)
-        self._identity_get = client.register_script(lua.IDENTITY_GET)
+        scripts = {
+            name: _Script(client, getattr(lua, name.upper()))
+            for name in (
+                "acquire", "renew", "release", "release_outcome", "get", "force_release",
+                "list", "gate_admit", "effect_begin", "effect_done", "checkpoint",
+                "identity_get",
+            )
+        }  # fmt: skip
+        self._acquire = scripts["acquire"]
+        self._renew = scripts["renew"]
+        self._release = scripts["release"]
+        self._release_outcome = scripts["release_outcome"]
+        self._get = scripts["get"]
+        self._force_release = scripts["force_release"]
+        self._list = scripts["list"]
+        self._gate_admit = scripts["gate_admit"]
+        self._effect_begin = scripts["effect_begin"]
+        self._effect_done = scripts["effect_done"]
+        self._checkpoint = scripts["checkpoint"]
+        self._identity_get = scripts["identity_get"]
+        # Every key name, built once: the hot path only indexes these.
+        self._key_names = [
+            {name: f"{key_prefix}{{{shard:02x}}}:{name}" for name in _KEY_KINDS}
+            for shard in range(shards)
+        ]
         self._epochs: dict[int, str] = {}
         #: How many times this store saw a shard's epoch change: the server lost its data.
         self.data_loss_detected = 0
@@ -146,19 +204,16 @@ class RedisLeaseStore(BaseLeaseStore):
         return zlib.crc32(resource.encode()) % self.shards
 
     def _keys(self, shard: int, *names: str) -> list[str]:
-        return [f"{self.key_prefix}{{{shard:02x}}}:{name}" for name in names]
+        kinds = self._key_names[shard]
+        return [kinds[name] for name in names]
 
     # -- plumbing --------------------------------------------------------------------------
-    @contextmanager
-    def _run(self, what: str) -> Iterator[None]:
-        """Translate driver errors: the single place where redis exceptions are caught."""
-        try:
-            yield
-        except redis.RedisError as exc:
-            raise LeaseStoreError(
-                f"Redis lease store {self.url} failed during {what}: "
-                f"{type(exc).__name__}: {exc}; the outcome is unknown"
-            ) from exc
+    def _run(self, what: str, subject: object = None) -> _Translate:
+        """Translate driver errors: the single place where redis exceptions are caught.
+
+        ``what % subject`` names the operation in the error (formatted only on failure).
+        """
+        return _Translate(self.url, what, subject)
 
     def _note_epoch(self, shard: int, epoch: Any) -> None:
         epoch = _text(epoch)
@@ -203,7 +258,7 @@ class RedisLeaseStore(BaseLeaseStore):
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
         shard = self.shard_of(resource)
-        keys = self._keys(shard, "leases", "expiry", "fences", "epoch", "ids", "ids_exp", "ckpt")
+        keys = self._keys(shard, "leases", "expiry", "fences", "ids", "ids_exp", "ckpt")
         args: list[str | int] = [
             resource,
             owner.token,
@@ -213,7 +268,7 @@ class RedisLeaseStore(BaseLeaseStore):
             self._retention_us,
         ]
         sent = monotonic()
-        with self._run(f"acquire of {resource!r}"):
+        with self._run("acquire of %r", resource):
             reply = self._acquire(keys=keys, args=args)
         if reply[0] == 2:
             assert identity is not None
@@ -268,7 +323,7 @@ class RedisLeaseStore(BaseLeaseStore):
         keys: list[str] = []
         args: list[Any] = []
         for lease, ttl in zip(leases, ttls, strict=True):
-            keys += self._keys(self.shard_of(lease.resource), "leases", "expiry", "epoch")
+            keys += self._keys(self.shard_of(lease.resource), "leases", "expiry", "fences")
             args += [lease.resource, lease.owner.token, str(lease.fence), round(ttl * 1e6)]
         sent = monotonic()
         with self._run(what):
@@ -307,19 +362,26 @@ class RedisLeaseStore(BaseLeaseStore):
         self, lease: Lease, *, outcome: str | None = None, result: str | None = None
     ) -> bool:
         self._renew_ttl(lease, None)
-        self._outcome_args(lease, outcome)
-        keys = self._keys(self.shard_of(lease.resource), "leases", "expiry", "ids", "ids_exp")
-        args: list[str | int] = [
-            lease.resource,
-            lease.owner.token,
-            lease.fence,
-            lease.identity or "",
-            outcome or "",
-            result or "",
-            self._retention_us,
-        ]
-        with self._run(f"release of {lease.resource!r}"):
-            done = self._release(keys=keys, args=args)
+        shard = self.shard_of(lease.resource)
+        if outcome is None:
+            keys = self._keys(shard, "leases", "expiry")
+            args: list[str | int] = [lease.resource, lease.owner.token, lease.fence]
+            script = self._release
+        else:
+            self._outcome_args(lease, outcome)
+            keys = self._keys(shard, "leases", "expiry", "ids", "ids_exp")
+            args = [
+                lease.resource,
+                lease.owner.token,
+                lease.fence,
+                lease.identity or "",
+                outcome,
+                result or "",
+                self._retention_us,
+            ]
+            script = self._release_outcome
+        with self._run("release of %r", lease.resource):
+            done = script(keys=keys, args=args)
         return bool(done)
 
     def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
@@ -333,7 +395,7 @@ class RedisLeaseStore(BaseLeaseStore):
             key,
             self._retention_us,
         ]
-        with self._run(f"effect {key!r} of {lease.resource!r}"):
+        with self._run("effect %r of %r", (key, lease.resource)):
             reply = self._effect_begin(keys=keys, args=args)
         if reply[0] == 0:
             raise self._lost_from(lease, reply)
@@ -348,7 +410,7 @@ class RedisLeaseStore(BaseLeaseStore):
         identity, key = self._ledger_args(lease, key)
         keys = self._keys(self.shard_of(lease.resource), "ledger", "ledger_exp")
         member = f"{lease.resource}|{identity}|{key}"
-        with self._run(f"effect {key!r} done of {lease.resource!r}"):
+        with self._run("effect %r done of %r", (key, lease.resource)):
             done = self._effect_done(
                 keys=keys, args=[member, lease.fence, receipt, self._retention_us]
             )
@@ -358,7 +420,7 @@ class RedisLeaseStore(BaseLeaseStore):
         identity, _ = self._ledger_args(lease, "checkpoint")
         keys = self._keys(self.shard_of(lease.resource), "leases", "ckpt")
         args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, identity, data]
-        with self._run(f"checkpoint of {lease.resource!r}"):
+        with self._run("checkpoint of %r", lease.resource):
             reply = self._checkpoint(keys=keys, args=args)
         if reply[0] == 0:
             raise self._lost_from(lease, reply)
@@ -367,7 +429,7 @@ class RedisLeaseStore(BaseLeaseStore):
         validate_resource(resource)
         identity = self._identity_args(identity) or ""
         keys = self._keys(self.shard_of(resource), "ids", "ids_exp")
-        with self._run(f"identity read of {resource!r}"):
+        with self._run("identity read of %r", resource):
             reply = self._identity_get(keys=keys, args=[f"{resource}|{identity}"])
         if not reply:
             return None
@@ -385,7 +447,7 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)
-        with self._run(f"get of {resource!r}"):
+        with self._run("get of %r", resource):
             reply = self._get(keys=self._keys(self.shard_of(resource), "leases"), args=[resource])
         now, record = reply[0], reply[1] if len(reply) > 1 else None
         return None if record is None else self._info(resource, record, now)
@@ -426,7 +488,7 @@ class RedisLeaseStore(BaseLeaseStore):
     def force_release(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)
         keys = self._keys(self.shard_of(resource), "leases", "expiry", "fences")
-        with self._run(f"force_release of {resource!r}"):
+        with self._run("force_release of %r", resource):
             reply = self._force_release(keys=keys, args=[resource])
         now, record = reply[0], reply[1] if len(reply) > 1 else None
         if record is None:
@@ -446,13 +508,13 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
         """Admit ``fence`` for ``key`` if it is >= the highest admitted; one round trip."""
-        with self._run(f"fence gate admit of {key!r}"):
+        with self._run("fence gate admit of %r", key):
             ok, value = self._gate_admit(keys=[self._gate_key(key)], args=[int(fence)])
         return bool(ok), int(value)
 
     def gate_highest(self, key: str) -> int | None:
         """The highest fence admitted for ``key``, or None."""
-        with self._run(f"fence gate read of {key!r}"):
+        with self._run("fence gate read of %r", key):
             value = self.client.get(self._gate_key(key))
         return None if value is None else int(value)
 

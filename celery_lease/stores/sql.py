@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -119,6 +121,8 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 )
         # An in-memory SQLite database lives in one connection that all threads share.
         self._serial = threading.Lock() if isinstance(engine.pool, StaticPool) else None
+        self._local = threading.local()
+        self._all_held: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
         self.metadata, self.tables = _tables(table_prefix)
         self.leases_table, self.meta_table = self.tables["leases"], self.tables["meta"]
         quote = engine.dialect.identifier_preparer.quote
@@ -179,44 +183,50 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             ) from exc
 
     def _run(self, what: str, work: Callable[[Any], T]) -> T:
-        """Run ``work(cursor)`` on a pooled connection: the one place driver errors are caught.
+        """Run ``work(cursor)`` on this thread's connection: the one place driver errors are
+        caught.
 
-        A broken connection (the server restarted) is dropped with the whole pool and the work
-        is tried once more on a fresh connection; every operation is safe to repeat (a claim
-        repeated with the same owner token returns the same lease).
+        Each thread keeps one pooled connection and cursor checked out (taking them from the
+        pool per call cost more than the statement itself). A broken connection (the server
+        restarted) is dropped with the whole pool and the work is tried once more on a fresh
+        connection; every operation is safe to repeat (a claim repeated with the same owner
+        token returns the same lease).
         """
         for attempt in (1, 2):
             with self._translate(what):
                 if self._serial is not None:
                     self._serial.acquire()
                 try:
-                    conn = self.engine.raw_connection()
+                    held = self._held()
                     try:
-                        cursor = conn.cursor()
-                        try:
-                            return work(cursor)
-                        finally:
-                            cursor.close()
+                        return work(held.cursor)
                     except self._dbapi_error as exc:
                         disconnected = self.engine.dialect.is_disconnect(
                             exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
-                            conn.dbapi_connection,
+                            held.conn.dbapi_connection,
                             None,
                         )
-                        if disconnected:
-                            conn.invalidate(exc)
-                            self.engine.dispose()
                         if self.dialect == "sqlite":
-                            _rollback_quietly(conn)
-                        if disconnected and attempt == 1:
-                            continue
+                            _rollback_quietly(held.conn)
+                        if disconnected:
+                            self._local.held = None
+                            held.drop(exc)
+                            self.engine.dispose()
+                            if attempt == 1:
+                                continue
                         raise
-                    finally:
-                        conn.close()
                 finally:
                     if self._serial is not None:
                         self._serial.release()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _held(self) -> _ThreadConnection:
+        held: _ThreadConnection | None = getattr(self._local, "held", None)
+        if held is None or held.pid != os.getpid():
+            held = _ThreadConnection(self.engine.raw_connection())
+            self._local.held = held
+            self._all_held.add(held)
+        return held
 
     @contextmanager
     def _immediate(self, cursor: Any) -> Iterator[None]:
@@ -530,13 +540,50 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         return warnings
 
     def reset_after_fork(self) -> None:
-        """Forget pooled connections inherited from the parent (SQLAlchemy's fork recipe)."""
+        """Forget connections inherited from the parent (SQLAlchemy's fork recipe)."""
+        self._local = threading.local()
+        self._all_held = weakref.WeakSet()
         if self._serial is None:
             self.engine.dispose(close=False)
 
     def close(self) -> None:
+        for held in list(self._all_held):
+            held.close()
+        self._local = threading.local()
         if self._owns_engine:
             self.engine.dispose()
+
+
+class _ThreadConnection:
+    """One thread's checked-out connection and cursor, returned to the pool when dropped."""
+
+    __slots__ = ("__weakref__", "conn", "cursor", "pid")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.cursor = conn.cursor()
+        self.pid = os.getpid()
+
+    def drop(self, exc: BaseException) -> None:
+        self.conn.invalidate(exc)
+        self.close()
+
+    def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        # (_getpid is bound early: at interpreter exit module globals may already be gone)
+        if self.pid != _getpid():
+            return  # a parent's connection: never touch it from a forked child
+        self.pid = -1
+        try:
+            self.cursor.close()
+            self.conn.close()
+        except Exception:  # closing a broken connection may fail; it is gone anyway
+            log.debug("closing a lease store connection failed", exc_info=True)
+
+    def __del__(self) -> None:  # the thread that held it ended
+        try:  # (not contextlib.suppress: it may already be gone at interpreter exit)
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing sensible to do at interpreter exit
+            return
 
 
 def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -> Engine:
@@ -551,6 +598,8 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
     if parsed.get_backend_name() == "sqlite":
         if parsed.database in (None, "", ":memory:"):
             kwargs["poolclass"] = StaticPool
+        else:
+            kwargs["max_overflow"] = -1  # each thread keeps one connection (see _run)
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30.0}
     elif parsed.get_backend_name() == "postgresql":
         ms = int(statement_timeout * 1000)
@@ -561,6 +610,7 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
         }
         # Autocommit connections: nothing to roll back when a connection goes back to the pool.
         kwargs["pool_reset_on_return"] = None
+        kwargs["max_overflow"] = -1  # each thread keeps one connection (see _run)
     kwargs.update(options)
     try:
         engine = sa.create_engine(parsed, **kwargs)
