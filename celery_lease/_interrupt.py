@@ -12,6 +12,10 @@
 
 Disarming waits for an interrupt that is already on its way, so it can never land in the code
 that runs after the body (release, result storage).
+
+Store calls made by the body (``lease.guard()``, effects, checkpoints, a FenceGate) run inside
+:func:`shielded`: an interrupt that arrives meanwhile is held back and raised when the call
+returns, so it never leaves a driver connection in the middle of a command.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from typing import Any
 
 from ._errors import LeaseLostError
 
-__all__ = ["Interrupter", "LeaseInterrupt"]
+__all__ = ["Interrupter", "LeaseInterrupt", "shielded"]
 
 _SIGNAL = getattr(signal, "SIGUSR1", None)
+_local = threading.local()  # .interrupter: the armed Interrupter of this thread's body
 
 
 class LeaseInterrupt(LeaseLostError):
@@ -56,6 +61,8 @@ class Interrupter:
         self._armed = False
         self._fire = False
         self._pending = False
+        self._shield = 0
+        self._deferred = False
         self._thread = threading.current_thread()
         self._greenlet = _gevent_current()
         self._previous: Any = None
@@ -73,6 +80,8 @@ class Interrupter:
         with self._lock:
             self._armed = True
             self._fire = False
+            self._deferred = False
+        _local.interrupter = self
 
     def disarm(self) -> None:
         """Forbid interrupts and absorb one already sent (call in the body's thread).
@@ -80,12 +89,15 @@ class Interrupter:
         An interrupt sent just before can still land while this runs; it is absorbed here, and
         the caller learns of the loss from ``lease.lost``.
         """
+        if getattr(_local, "interrupter", None) is self:
+            _local.interrupter = None
         while True:
             try:
                 self._fire = False
                 with self._lock:
                     self._armed = False
                     self._fire = False
+                    self._deferred = False
                 if self.mode == "signal":
                     # A signal already sent is handled at the next bytecode boundary of this
                     # thread; let it arrive while our (now disarmed) handler is installed.
@@ -103,8 +115,11 @@ class Interrupter:
     def interrupt(self) -> bool:
         """Interrupt the body once, if armed (from any thread). Returns whether it was sent."""
         with self._lock:
-            if not self._armed or self._fire:
+            if not self._armed or self._fire or self._deferred:
                 return False
+            if self._shield:
+                self._deferred = True  # raised by the body's thread when the store call ends
+                return True
             self._fire = True
             if self.mode == "signal":
                 self._pending = True
@@ -125,11 +140,50 @@ class Interrupter:
             self._pending = False
             if self._fire:
                 self._fire = False
+                if self._shield:  # inside a store call: raise when it returns
+                    self._deferred = True
+                    return
                 raise LeaseInterrupt("the lease was lost")
             return
         previous = self._previous
         if callable(previous):
             previous(signum, frame)
+
+    # -- shielding store calls (called in the body's thread) -----------------------------------
+    def _enter_shield(self) -> None:
+        with self._lock:
+            self._shield += 1
+            if self._fire and self.mode == "async-exception":
+                # Sent but perhaps not raised yet: take it back and raise it after the call.
+                _set_async_exc(self._thread.ident, None)
+                self._fire = False
+                self._deferred = True
+
+    def _exit_shield(self) -> None:
+        with self._lock:
+            self._shield -= 1
+            raise_now = self._deferred and self._shield == 0 and self._armed
+            if raise_now:
+                self._deferred = False
+                self._fire = True  # counts as delivered: no second interrupt
+        if raise_now:
+            raise LeaseInterrupt("the lease was lost")
+
+
+class shielded:
+    """Hold back a lease interrupt of this thread's body until the enclosed store call ends."""
+
+    __slots__ = ("interrupter",)
+
+    def __enter__(self) -> None:
+        interrupter: Interrupter | None = getattr(_local, "interrupter", None)
+        self.interrupter = interrupter
+        if interrupter is not None:
+            interrupter._enter_shield()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.interrupter is not None:
+            self.interrupter._exit_shield()
 
 
 def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:

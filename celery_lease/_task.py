@@ -281,6 +281,17 @@ class LeaseTask(Task):  # type: ignore[misc]
         failpoints.hit("after_acquire")
         events.count("celery_lease_claims_total")
         lease.margin = settings.effective_margin
+        if lease.remaining() <= 0:
+            # The claim's reply came back after the self-fence deadline (the store was slow or
+            # unreachable): holding it would be lost at once. Give it back and wait.
+            self._release(lease, "retry" if lease.identity else "failed", None)
+            return self._store_down(
+                LeaseStoreError(
+                    f"the claim of {resource!r} took longer than its ttl minus the self-fence "
+                    "margin to come back; the store is slow or unreachable"
+                ),
+                settings,
+            )
         hook = getattr(self, "reconcile_effect", None)
         if hook is not None:
             lease.extra["reconcile_effect"] = hook

@@ -22,6 +22,7 @@ from .._errors import (
     LeaseLostError,
     LeaseStoreError,
 )
+from .._interrupt import shielded
 from .._lease import Lease, LeaseInfo, Owner, from_micros
 from .._ledger import decode
 from .._names import show_value, validate_resource
@@ -55,15 +56,17 @@ _KEY_KINDS = ("leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", 
 class _Translate:
     """Context manager turning redis errors into LeaseStoreError (cheaper than a generator)."""
 
-    __slots__ = ("subject", "url", "what")
+    __slots__ = ("shield", "subject", "url", "what")
 
     def __init__(self, url: str, what: str, subject: object) -> None:
         self.url, self.what, self.subject = url, what, subject
+        self.shield = shielded()
 
     def __enter__(self) -> None:
-        return None
+        self.shield.__enter__()  # a lease interrupt waits until the call returns
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.shield.__exit__()
         if exc is not None and isinstance(exc, redis.RedisError):
             what = self.what % self.subject if self.subject is not None else self.what
             raise LeaseStoreError(

@@ -38,6 +38,7 @@ from .._errors import (
     LeaseLostError,
     LeaseStoreError,
 )
+from .._interrupt import shielded
 from .._lease import Lease, LeaseInfo, Owner, from_micros
 from .._ledger import decode
 from .._names import validate_identifier, validate_resource
@@ -193,14 +194,20 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         token returns the same lease).
         """
         for attempt in (1, 2):
-            with self._translate(what):
+            with shielded(), self._translate(what):
                 if self._serial is not None:
                     self._serial.acquire()
                 try:
                     held = self._held()
                     try:
                         return work(held.cursor)
-                    except self._dbapi_error as exc:
+                    except BaseException as exc:
+                        if not isinstance(exc, self._dbapi_error):
+                            # Interrupted mid-call (a signal, a soft time limit): the
+                            # connection may be mid-command, so it never serves again.
+                            self._local.held = None
+                            held.drop(exc)
+                            raise
                         disconnected = self.engine.dialect.is_disconnect(
                             exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
                             held.conn.dbapi_connection,

@@ -64,10 +64,13 @@ def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str],
 
 @pytest.fixture
 def start_worker(it_app: Any, events: Events, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    """Start real worker processes; all are stopped (by PID) when the test ends."""
+    """Start real worker processes; all are stopped (by PID) when the test ends.
+
+    ``wait=False`` only spawns the process: start several, then ``wait_ready()`` each.
+    """
     started: list[Worker] = []
 
-    def start(env: dict[str, str], *, queue: str, **options: Any) -> Worker:
+    def start(env: dict[str, str], *, queue: str, wait: bool = True, **options: Any) -> Worker:
         full_env = {
             "CL_BROKER": os.environ["CL_BROKER"],
             "CL_BACKEND": os.environ["CL_BACKEND"],
@@ -78,11 +81,13 @@ def start_worker(it_app: Any, events: Events, tmp_path: Path) -> Iterator[Callab
         name = options.pop("name", None) or unique("w")
         worker = Worker(full_env, name=name, queue=queue, logdir=tmp_path, **options)
         started.append(worker)
-        return worker.start()
+        return worker.start() if wait else worker.spawn()
 
     yield start
+    for worker in started:  # all shut down together, then waited for
+        worker.request_stop()
     for worker in started:
-        worker.stop()
+        worker.wait_stopped()
 
 
 @pytest.fixture

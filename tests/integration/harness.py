@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import redis
 
+from celery_lease.stores import LeaseStore, store_from_url
 from tests.tooling.servers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,12 +76,20 @@ class Worker:
             *extra_args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
+        self._children: dict[int, str | None] = {}  # pool children at shutdown: start times
 
     def start(self, timeout: float = 60.0) -> Worker:
+        return self.spawn().wait_ready(timeout)
+
+    def spawn(self) -> Worker:
+        """Start the process without waiting for it (start several, then wait_ready each)."""
         with open(self.logfile.with_suffix(".err"), "wb") as stderr:
             self.proc = subprocess.Popen(
                 self.args, cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=stderr
             )
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> Worker:
         wait_for(self._ready, timeout, f"worker {self.name} to be ready")
         return self
 
@@ -101,15 +111,29 @@ class Worker:
         assert self.proc is not None
         return self.proc.pid
 
+    def owns(self, pid: int) -> bool:
+        """Whether ``pid`` is this worker or one of its pool children (safe to signal)."""
+        return self.proc is not None and pid in (self.proc.pid, *children_of(self.proc.pid))
+
     def stop(self, timeout: float = 15.0) -> None:
+        self.request_stop()
+        self.wait_stopped(timeout)
+
+    def request_stop(self) -> None:
+        """Ask for a warm shutdown (SIGTERM) without waiting: stop several workers at once."""
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = None
             return
-        children = children_of(self.proc.pid)
-        for pid in [self.proc.pid, *children]:
+        self._children = {pid: _start_time(pid) for pid in children_of(self.proc.pid)}
+        for pid in [self.proc.pid, *self._children]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)  # a paused child cannot shut down
         self.proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout: float = 15.0) -> None:
+        """Wait for the shutdown asked by request_stop(); SIGKILL what is left after timeout."""
+        if self.proc is None:
+            return
+        children = self._children
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -117,10 +141,20 @@ class Worker:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             self.proc.wait()
-        for pid in children:  # children of a worker killed hard
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for pid, started in children.items():  # children of a worker killed hard
+            if started is not None and _start_time(pid) == started:  # the same process
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self.proc = None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (tells a process from a later one that reuses its pid)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
 
 
 class Events:
@@ -174,3 +208,84 @@ def check_exclusion(events: list[dict[str, Any]]) -> dict[Any, list[int]]:
 def wait_results(results: list[Any], timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
     return [r.get(timeout=max(0.1, deadline - time.monotonic())) for r in results]
+
+
+# -- processes ----------------------------------------------------------------------------------
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from /proc (``T`` when stopped), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def sigstop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel reports it stopped (all its threads)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: process_state(pid) in ("T", "t", None), timeout, f"pid {pid} to stop")
+
+
+def sqlite_write_locked(path: str) -> bool:
+    """Whether some process holds the SQLite database's write lock right now."""
+    conn = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return True
+        raise
+    else:
+        conn.execute("ROLLBACK")
+        return False
+    finally:
+        conn.close()
+
+
+def sigstop_outside_store(pid: int, sqlite_path: str | None, timeout: float = 10.0) -> int:
+    """SIGSTOP ``pid`` at a moment it holds no SQLite write lock; returns the attempts taken.
+
+    A process stopped inside a SQLite write transaction (a renewal in flight) would block every
+    other process's claim until it is continued, which is not the scenario under test (and
+    cannot happen with Redis or PostgreSQL, whose statements commit on the server alone).
+    """
+    deadline = time.monotonic() + timeout
+    attempts = 0
+    while True:
+        attempts += 1
+        sigstop(pid)
+        if sqlite_path is None or not sqlite_write_locked(sqlite_path):
+            return attempts
+        os.kill(pid, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} kept holding the SQLite write lock")
+        time.sleep(0.005)  # let it finish its transaction (about a millisecond)
+
+
+# -- stores and histories -----------------------------------------------------------------------
+def worker_store(env: dict[str, str]) -> LeaseStore:
+    """A store in the test process that sees what the workers of ``env`` see (same prefixes)."""
+    url = env["CL_STORE"]
+    if url.startswith("redis"):
+        return store_from_url(url, key_prefix=env["CL_PREFIX"], socket_timeout=5.0)
+    return store_from_url(url, table_prefix=env["CL_TABLE_PREFIX"])
+
+
+def check_fenced_writes(events: list[dict[str, Any]], key: str = "trial") -> dict[Any, list[int]]:
+    """Check that the accepted writes to each key carry non-decreasing fences, in log order.
+
+    The log is one Redis list, so its order is the real-time order of the reports; a write is
+    reported only after the side effect accepted it. Returns the fences per key; raises
+    AssertionError naming the first stale write.
+    """
+    fences: dict[Any, list[int]] = {}
+    for event in events:
+        if event["ev"] != "write":
+            continue
+        seen = fences.setdefault(event[key], [])
+        assert not seen or event["fence"] >= max(seen), (
+            f"stale write accepted on {key}={event[key]}: fence {event['fence']} after "
+            f"fence {max(seen)} was written ({event})"
+        )
+        seen.append(event["fence"])
+    return fences

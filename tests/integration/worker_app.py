@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 
 from celery_lease import (
     FenceGate,
@@ -78,7 +78,45 @@ def _prefix_options(url: str) -> dict[str, Any]:
 
 def report(kind: str, **fields: Any) -> None:
     fields.update(ev=kind, pid=os.getpid(), t=time.time())
-    coord().rpush(env["CL_EVENTS"], json.dumps(fields))
+    coord().rpush(env["CL_EVENTS"], json.dumps(fields, default=str))
+
+
+def _lost_reason(lease: Any) -> str | None:
+    """Why the lease was lost (an interrupt itself carries no reason; the lease records it)."""
+    lost = lease.lost
+    return None if lost is None else lost.reason
+
+
+def _report_outcome(kind: str, task_id: Any, name: Any, exc: Any) -> None:
+    """Report how an execution ended (retry, failure) with its exception's class and reason.
+
+    Called from Celery signals, after the body: the lease interrupter is disarmed by then, so
+    unlike a report from inside the body this one cannot be cut short by a late interrupt.
+    """
+    if "CL_EVENTS" not in env or "CL_COORD" not in env:
+        return
+    try:
+        report(
+            kind,
+            task=task_id,
+            name=name,
+            exc=type(exc).__name__,
+            reason=getattr(exc, "reason", None),
+            fence=getattr(exc, "fence", None),
+        )
+    except Exception:  # test reporting must never break the worker
+        return
+
+
+@signals.task_retry.connect
+def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, **_: Any) -> None:
+    exc = getattr(reason, "exc", None) or reason
+    _report_outcome("retry", getattr(request, "id", None), getattr(sender, "name", None), exc)
+
+
+@signals.task_failure.connect
+def _on_failure(sender: Any = None, task_id: Any = None, exception: Any = None, **_: Any) -> None:
+    _report_outcome("failure", task_id, getattr(sender, "name", None), exception)
 
 
 def wait_for_key(key: str, timeout: float = 60.0, poll: float = 0.002) -> None:
@@ -109,25 +147,38 @@ def exclusive(self: Any, n: int, hold: float = 0.05) -> int:
 
 
 @lease_task(app=app, resource="paused-{trial}", bind=True)
-def paused_writer(self: Any, trial: int, role: str, use_gate: bool = True) -> int:
+def paused_writer(
+    self: Any, trial: int, role: str, use_gate: bool = True, self_fence: bool = True
+) -> int:
     """Checks its lease, tells the test it is about to write, waits for "go", then writes.
 
     The test SIGSTOPs this process between the check and the write (the classic paused owner).
     With ``use_gate`` the write goes through a FenceGate; without it (the negative control) the
-    body also ignores the loss signal, as an owner paused mid-write would.
+    body also ignores the loss signal, as an owner paused mid-write would. ``self_fence=False``
+    ignores the loss signal but keeps the gate (as a body stuck in a call that an interrupt
+    cannot break would): then the gate alone must refuse the stale write.
     """
     lease = current_lease()
     key = f"paused-{trial}"
-    report("start", trial=trial, role=role, fence=lease.fence, task=self.request.id)
+    report(
+        "start",
+        trial=trial,
+        role=role,
+        fence=lease.fence,
+        task=self.request.id,
+        previous_fence=lease.previous_fence,
+    )
     lease.check()
     if role == "first" and not coord().exists(f"{env['CL_EVENTS']}:done:{trial}"):
+        report("ready", trial=trial, role=role, fence=lease.fence, task=self.request.id)
         coord().set(f"{env['CL_EVENTS']}:ready:{trial}", os.getpid())
         try:
             wait_for_key(f"{env['CL_EVENTS']}:go:{trial}")
         except LeaseLostError:
-            if use_gate:
+            if use_gate and self_fence:
                 report("self_fenced", trial=trial, role=role, fence=lease.fence)
                 raise
+            report("ignored_loss", trial=trial, role=role, fence=lease.fence)
             wait_for_key(f"{env['CL_EVENTS']}:go:{trial}")
     if use_gate:
         try:
@@ -141,8 +192,12 @@ def paused_writer(self: Any, trial: int, role: str, use_gate: bool = True) -> in
 
 
 @lease_task(app=app, resource="slow-{n}", bind=True)
-def slow_call(self: Any, n: int, seconds: float) -> dict[str, Any]:
-    """Blocks like a slow model call, longer than the ttl; reports how it ended."""
+def slow_call(self: Any, n: int, seconds: float, ignore_loss: bool = False) -> dict[str, Any]:
+    """Blocks like a slow model call, longer than the ttl; reports how it ended.
+
+    With ``ignore_loss`` (a negative control) the body swallows the loss interrupt and keeps
+    going to the end, as a body that was never interrupted would.
+    """
     lease = current_lease()
     report(
         "start",
@@ -151,11 +206,22 @@ def slow_call(self: Any, n: int, seconds: float) -> dict[str, Any]:
         task=self.request.id,
         attempt=int(self.request.get("celery_lease_lost_retries") or 0),
     )
-    try:
-        time.sleep(seconds)
-    except LeaseLostError as exc:
-        report("interrupted", res=n, fence=lease.fence, reason=getattr(exc, "reason", None))
-        raise
+    end = time.monotonic() + seconds
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            time.sleep(left)
+        except LeaseLostError as exc:
+            report(
+                "interrupted",
+                res=n,
+                fence=lease.fence,
+                reason=getattr(exc, "reason", None) or _lost_reason(lease),
+            )
+            if not ignore_loss:
+                raise
     report("done", res=n, fence=lease.fence)
     return {"fence": lease.fence, "expires_at": lease.expires_at.isoformat()}
 
@@ -194,3 +260,32 @@ def count_renewers(self: Any, n: int, hold: float) -> int:
         time.sleep(0.05)
     report("renewers", res=n, max=max(counts), min=min(counts))
     return max(counts)
+
+
+@lease_task(app=app, resource="capped-{n}", bind=True, max_runtime=2.0, lost_max_retries=0)
+def capped(self: Any, n: int) -> int:
+    """Renews forever (never returns on its own): the runtime cap must stop it."""
+    lease = current_lease()
+    report("start", res=n, fence=lease.fence, task=self.request.id)
+    try:
+        while True:
+            time.sleep(0.05)
+    except LeaseLostError as exc:
+        report(
+            "interrupted",
+            res=n,
+            fence=lease.fence,
+            reason=getattr(exc, "reason", None) or _lost_reason(lease),
+        )
+        raise
+
+
+@lease_task(app=app, resource="gated-{n}", bind=True)
+def gated_write(self: Any, n: int) -> int:
+    """Writes through the process's shared FenceGate (no workaround): one admit per run."""
+    lease = current_lease()
+    attempt = coord().incr(f"{env['CL_EVENTS']}:attempts:gated-{n}")
+    report("admitting", res=n, fence=lease.fence, attempt=attempt, task=self.request.id)
+    gate().admit(f"gated-{n}", lease.fence)
+    report("write", res=n, fence=lease.fence, attempt=attempt)
+    return lease.fence

@@ -1,0 +1,99 @@
+"""Limits with real prefork workers: the runtime cap (S14) and the busy-wait budget.
+
+* ``capped`` (max_runtime=2, lost_max_retries=0) renews forever; the renewer must take its
+  lease away at the cap (within one renew interval), interrupt it, and the task must end FAILURE
+  with LeaseLostError(reason="max_runtime"); the next waiter gets the resource by cap + ttl.
+* ``no_retries`` (max_retries=0) waits for a resource the test holds for ~2 s: busy waits are
+  re-queued on their own budget, so it still ends SUCCESS once the test releases.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_lease import LeaseBusyError, LeaseLostError, Owner
+from tests.integration.harness import worker_store
+from tests.tooling.servers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TTL = 1.0
+RENEW_INTERVAL = TTL / 3
+MAX_RUNTIME = 2.0  # capped's max_runtime
+HOLD = 2.0  # how long the test keeps no_retries' resource busy
+
+
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+def test_runtime_cap_takes_the_lease_and_fails_the_task(
+    it_app, start_worker, store_env, events, queue, kind
+):
+    """A body that would run forever loses its lease at max_runtime and ends FAILURE."""
+    env = {**store_env(kind), "CL_TTL": str(TTL)}
+    start_worker(env, queue=queue)
+    store = worker_store(env)
+    waiter = Owner.new("next-waiter")
+    result = it_app.capped.apply_async((0,), queue=queue)
+    start = events.wait(ev="start", res=0)
+    acquired_at = None
+    try:
+        while acquired_at is None:  # the next waiter polls for the resource
+            assert time.time() < start["t"] + MAX_RUNTIME + 10 * TTL, "never released"
+            try:
+                lease = store.acquire("capped-0", waiter, TTL)
+            except LeaseBusyError:
+                time.sleep(0.02)
+            else:
+                acquired_at = time.time()
+                store.release(lease)
+        wait_for(lambda: result.state == "FAILURE", 30, "the capped task to fail")
+    finally:
+        store.close()
+    stop = events.wait(ev="interrupted", res=0)
+    held = stop["t"] - start["t"]
+    print(
+        f"store={kind}: interrupted {held:.3f}s after start (cap {MAX_RUNTIME}s); next waiter "
+        f"acquired {acquired_at - start['t']:.3f}s after start"
+    )
+    assert stop["reason"] == "max_runtime"
+    assert abs(held - MAX_RUNTIME) <= RENEW_INTERVAL
+    # The lease stayed renewed up to the cap (not lost early), then was freed promptly.
+    assert MAX_RUNTIME - RENEW_INTERVAL <= acquired_at - start["t"] <= MAX_RUNTIME + TTL
+    exc = result.result
+    assert isinstance(exc, LeaseLostError), repr(exc)
+    assert exc.reason == "max_runtime"
+    assert exc.fence == start["fence"]
+    failure = events.wait(ev="failure", task=start["task"])
+    assert (failure["exc"], failure["reason"]) == ("LeaseLostError", "max_runtime")
+    assert not events.where(ev="retry")  # lost_max_retries=0: no re-run
+    assert len(events.where(ev="start", res=0)) == 1
+
+
+def test_busy_waits_do_not_use_the_retry_budget(it_app, start_worker, store_env, events, queue):
+    """max_retries=0, resource busy for ~2 s: several busy waits, then SUCCESS."""
+    env = {**store_env("redis"), "CL_TTL": str(TTL)}
+    start_worker(env, queue=queue)
+    store = worker_store(env)
+    holder = store.acquire("busy-0", Owner.new("test-holder"), 5.0)
+    try:
+        result = it_app.no_retries.apply_async((0,), queue=queue)
+        held_since = time.monotonic()
+        wait_for(
+            lambda: len(events.where(ev="retry", task=result.id)) >= 2,
+            30,
+            "two busy waits",
+        )
+        assert result.state == "RETRY"
+        wait_for(lambda: time.monotonic() - held_since >= HOLD, 10, "the hold to last")
+        assert store.release(holder)
+        fence = result.get(timeout=30)
+    finally:
+        store.close()
+    retries = events.where(ev="retry", task=result.id)
+    print(f"{len(retries)} busy waits while held, then fence {fence} > {holder.fence}")
+    assert result.state == "SUCCESS"
+    assert fence > holder.fence
+    assert {e["exc"] for e in retries} == {"LeaseBusyError"}
+    assert len(retries) > 1  # more re-queues than max_retries=0 would ever allow
+    assert not events.where(ev="failure")
