@@ -170,10 +170,8 @@ return out
 """
 )
 
-RELEASE = """
--- KEYS[1] leases hash, KEYS[2] expiry zset
--- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence
--- returns 1 when released, 0 when the lease was not this owner's (nothing changed)
+# Releases the lease in KEYS[1]/KEYS[2] if ARGV[2] (token) and ARGV[3] (fence) hold it.
+_RELEASE_TAIL = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
 local tok, f = string.match(cur, '^(%x+) (%d+) ')
@@ -182,6 +180,15 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
+
+RELEASE = (
+    """
+-- KEYS[1] leases hash, KEYS[2] expiry zset
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence
+-- returns 1 when released, 0 when the lease was not this owner's (nothing changed)
+"""
+    + _RELEASE_TAIL
+)
 
 RELEASE_OUTCOME = (
     """
@@ -207,14 +214,8 @@ if ident then
     redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), member)
   end
 end
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-local tok, f = string.match(cur, '^(%x+) (%d+) ')
-if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
 """
+    + _RELEASE_TAIL
 )
 
 GET = (
