@@ -1,0 +1,222 @@
+"""The renewal thread and the interrupter, in one process.
+
+The store is the real MemoryLeaseStore behind a fault injector (it fails, hangs or counts calls
+on demand); real workers are covered in tests/integration.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from celery_lease import LeaseLostError, LeaseStoreError, Owner
+from celery_lease import _renewer as renewer_module
+from celery_lease._interrupt import Interrupter, LeaseInterrupt, shielded
+from celery_lease._renewer import Renewer
+from celery_lease.stores import MemoryLeaseStore
+from tests.tooling.servers import wait_for
+
+
+class FaultyStore(MemoryLeaseStore):
+    """A real memory store whose renew_many can fail, raise or hang on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+        self.mode = "ok"
+        self.release_hang = threading.Event()
+
+    def renew_many(self, leases, ttl=None):
+        self.calls.append(len(leases))
+        if self.mode == "error":
+            raise LeaseStoreError("injected store failure")
+        if self.mode == "bug":
+            raise RuntimeError("injected bug")
+        if self.mode == "hang":
+            self.release_hang.wait(30)
+        return super().renew_many(leases, ttl)
+
+
+@pytest.fixture
+def store():
+    return FaultyStore()
+
+
+@pytest.fixture
+def renewer():
+    instance = Renewer()
+    yield instance
+    instance.shutdown()
+
+
+def lost_recorder():
+    lost: list[tuple[str, str, float]] = []
+
+    def on_lost(hold, error):
+        lost.append((hold.lease.resource, error.reason, time.monotonic()))
+
+    return lost, on_lost
+
+
+class TestRenewer:
+    def test_renews_every_held_lease_in_one_call_per_tick(self, store, renewer):
+        """Three leases, one thread, batched calls; expiries move forward."""
+        lost, on_lost = lost_recorder()
+        leases = [store.acquire(f"r{i}", Owner.new(), 0.6) for i in range(3)]
+        before = [lease.expires_at for lease in leases]
+        for lease in leases:
+            renewer.hold(lease, interval=0.2, max_runtime=60, on_lost=on_lost)
+        pairs = list(zip(leases, before, strict=True))
+        wait_for(lambda: all(lease.expires_at > b for lease, b in pairs), 5, "renew")
+        assert 3 in store.calls  # all three in one store call
+        assert sum(t.name == "celery-lease-renewer" for t in threading.enumerate()) == 1
+        assert not lost
+
+    def test_store_errors_are_retried_until_the_self_fence_deadline(self, store, renewer):
+        """A failing store is retried; at the deadline the lease is declared lost, not later."""
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 0.8)
+        store.mode = "error"
+        renewer.hold(lease, interval=0.25, max_runtime=60, on_lost=on_lost)
+        wait_for(lambda: lost, 5, "loss")
+        _, reason, at = lost[0]
+        assert reason == "renew_failed" and len(store.calls) >= 2
+        assert at >= lease.deadline - 0.05  # not before the deadline
+        assert at < lease.deadline + 0.2  # promptly after it
+        assert lease.lost is not None
+
+    def test_a_hung_store_cannot_stall_the_watchdog(self, store, renewer):
+        """The deadline fires while the store call still hangs (its I/O runs elsewhere)."""
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 0.6)
+        store.mode = "hang"
+        renewer.hold(lease, interval=0.15, max_runtime=60, on_lost=on_lost)
+        try:
+            wait_for(lambda: lost, 5, "loss while the store hangs")
+            assert lost[0][1] == "renew_failed"
+            assert lost[0][2] < lease.deadline + 0.2
+        finally:
+            store.release_hang.set()
+
+    def test_a_taken_over_lease_is_reported_with_the_new_holder(self, store, renewer):
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 0.6)
+        renewer.hold(lease, interval=0.1, max_runtime=60, on_lost=on_lost)
+        store.force_release("r")
+        store.acquire("r", Owner.new("intruder"), 30)
+        wait_for(lambda: lost, 5, "loss")
+        assert lost[0][1] == "taken_over"
+        assert lease.lost.holder_label == "intruder"
+
+    def test_the_runtime_cap_ends_renewal(self, store, renewer):
+        """A lease that would be renewed forever is given up at max_runtime."""
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 0.6)
+        start = time.monotonic()
+        renewer.hold(lease, interval=0.1, max_runtime=0.7, on_lost=on_lost)
+        wait_for(lambda: lost, 5, "cap")
+        assert lost[0][1] == "max_runtime"
+        assert 0.7 <= lost[0][2] - start < 0.7 + 0.1 + 0.1
+
+    def test_no_renewal_after_drop(self, store, renewer):
+        """A dropped (released) lease is never renewed again: no zombie renewer."""
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 0.6)
+        hold = renewer.hold(lease, interval=0.1, max_runtime=60, on_lost=on_lost)
+        wait_for(lambda: store.calls, 5, "first renewal")
+        renewer.drop(hold)
+        calls = len(store.calls)
+        expires = lease.expires_at
+        time.sleep(0.4)  # several intervals: any renewal would have happened
+        assert len(store.calls) == calls and lease.expires_at == expires and not lost
+
+    def test_an_unexpected_error_does_not_kill_the_thread(self, store, renewer, caplog):
+        """A bug in a renewal is logged; the thread goes on and renews once it is gone."""
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 1.5)
+        store.mode = "bug"
+        renewer.hold(lease, interval=0.1, max_runtime=60, on_lost=on_lost)
+        wait_for(lambda: len(store.calls) >= 2, 5, "retries after the bug")
+        store.mode = "ok"
+        before = lease.expires_at
+        wait_for(lambda: lease.expires_at > before, 5, "renewal after recovery")
+        assert renewer.thread is not None and renewer.thread.is_alive()
+        assert "renewal raised unexpectedly" in caplog.text
+        assert not lost
+
+    def test_the_thread_exits_when_idle(self, store, renewer, monkeypatch):
+        monkeypatch.setattr(renewer_module, "IDLE_EXIT", 0.2)
+        lease = store.acquire("r", Owner.new(), 0.6)
+        hold = renewer.hold(lease, interval=0.1, max_runtime=60, on_lost=lambda *a: None)
+        thread = renewer.thread
+        renewer.drop(hold)
+        wait_for(lambda: not thread.is_alive(), 5, "idle exit")
+
+
+class TestInterrupter:
+    def test_signal_mode_interrupts_a_sleeping_main_thread(self):
+        """In a process's main thread a lost lease breaks even time.sleep."""
+        interrupter = Interrupter()
+        assert interrupter.mode == "signal"
+        previous = signal.getsignal(signal.SIGUSR1)
+        interrupter.arm()
+        timer = threading.Timer(0.1, interrupter.interrupt)
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(LeaseInterrupt):
+            time.sleep(5)
+        assert time.monotonic() - started < 2
+        interrupter.disarm()
+        assert signal.getsignal(signal.SIGUSR1) == previous
+
+    def test_async_mode_interrupts_a_worker_thread(self):
+        caught = []
+
+        def body():
+            interrupter = Interrupter()
+            assert interrupter.mode == "async-exception"
+            interrupter.arm()
+            box.append(interrupter)
+            try:
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
+            except LeaseLostError as exc:
+                caught.append(exc)
+            finally:
+                interrupter.disarm()
+
+        box: list[Interrupter] = []
+        thread = threading.Thread(target=body)
+        thread.start()
+        wait_for(lambda: box, 5, "armed")
+        assert box[0].interrupt()
+        thread.join(10)
+        assert caught and isinstance(caught[0], LeaseInterrupt)
+
+    def test_an_interrupt_waits_for_a_shielded_store_call(self):
+        """Arriving inside a store call, it is raised when the call returns, not inside it."""
+        interrupter = Interrupter()
+        interrupter.arm()
+        finished_call = []
+
+        def store_call():
+            with shielded():
+                assert interrupter.interrupt()  # held back: nothing is raised in here
+                time.sleep(0.05)
+                finished_call.append(True)
+
+        with pytest.raises(LeaseInterrupt):
+            store_call()
+        assert finished_call == [True]
+        interrupter.disarm()
+
+    def test_disarmed_interrupter_sends_nothing(self):
+        interrupter = Interrupter()
+        interrupter.arm()
+        interrupter.disarm()
+        assert interrupter.interrupt() is False
+        time.sleep(0.05)  # nothing raised
