@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import bootsteps, signals
 
+from . import _events as events
 from ._errors import LeaseConfigError, LeaseError
 from ._renewer import get_renewer
 from ._settings import LeaseSettings
@@ -169,6 +170,7 @@ def install(app: Any) -> None:
         return
     _installed.add(app)
     app.steps["worker"].add(LeaseBootstep)
+    events.register_prometheus()
     try:
         from click import Option
     except ImportError:  # pragma: no cover - click comes with celery

@@ -2,9 +2,9 @@
 
 * The body runs in a process's main thread (prefork child, solo pool): a ``SIGUSR1`` sent to the
   main thread runs our handler there, which raises :class:`LeaseInterrupt`; it interrupts a
-  blocking sleep or socket wait too. Our handler is installed only while the lease is held and
-  passes any other ``SIGUSR1`` (billiard's soft time limit, Celery's "cry" handler) to the
-  handler it replaced.
+  blocking sleep or socket wait too. The handler is installed once per process (re-installed if
+  something replaced it) and passes any ``SIGUSR1`` that is not ours (billiard's soft time
+  limit, Celery's "cry" handler) to the handler it replaced.
 * The body runs in another thread (threads pool): an asynchronous exception
   (``PyThreadState_SetAsyncExc``), raised at the thread's next bytecode. It cannot break a
   blocking C call, so long waits should call ``lease.check()``.
@@ -34,6 +34,26 @@ __all__ = ["Interrupter", "LeaseInterrupt", "shielded"]
 
 _SIGNAL = getattr(signal, "SIGUSR1", None)
 _local = threading.local()  # .interrupter: the armed Interrupter of this thread's body
+_main: Interrupter | None = None  # the armed Interrupter of the main thread (signal mode)
+_replaced: Any = None  # the SIGUSR1 handler our dispatcher stands in front of
+
+
+def _dispatch(signum: int, frame: FrameType | None) -> None:
+    interrupter = _main
+    if interrupter is not None and interrupter._pending:
+        interrupter._on_signal(signum, frame)
+        return
+    if callable(_replaced):
+        _replaced(signum, frame)
+
+
+def _install_dispatcher() -> None:
+    """Put our SIGUSR1 dispatcher in place (main thread only; cheap when it already is)."""
+    global _replaced  # noqa: PLW0603 - one handler per process
+    current = signal.getsignal(_SIGNAL)  # type: ignore[arg-type]
+    if current is not _dispatch:
+        _replaced = current
+        signal.signal(_SIGNAL, _dispatch)  # type: ignore[arg-type]
 
 
 class LeaseInterrupt(LeaseLostError):
@@ -65,7 +85,6 @@ class Interrupter:
         self._deferred = False
         self._thread = threading.current_thread()
         self._greenlet = _gevent_current()
-        self._previous: Any = None
         if self._greenlet is not None:
             self.mode = "gevent"
         elif _SIGNAL is not None and self._thread is threading.main_thread():
@@ -75,8 +94,10 @@ class Interrupter:
 
     def arm(self) -> None:
         """Allow interrupts from now on (call in the body's thread, before the body)."""
+        global _main  # noqa: PLW0603
         if self.mode == "signal":
-            self._previous = signal.signal(_SIGNAL, self._on_signal)  # type: ignore[arg-type]
+            _install_dispatcher()
+            _main = self
         with self._lock:
             self._armed = True
             self._fire = False
@@ -100,12 +121,12 @@ class Interrupter:
                     self._deferred = False
                 if self.mode == "signal":
                     # A signal already sent is handled at the next bytecode boundary of this
-                    # thread; let it arrive while our (now disarmed) handler is installed.
+                    # thread; let it arrive while this (now disarmed) interrupter is current.
                     for _ in range(1000):
                         if not self._pending:
                             break
                         time.sleep(0)
-                    signal.signal(_SIGNAL, self._previous)  # type: ignore[arg-type]
+                    self._release_main()
                 elif self.mode == "async-exception":
                     _set_async_exc(self._thread.ident, None)  # drop one not yet raised
                 return
@@ -134,6 +155,11 @@ class Interrupter:
                 _set_async_exc(self._thread.ident, LeaseInterrupt)
             return True
 
+    def _release_main(self) -> None:
+        global _main  # noqa: PLW0603
+        if _main is self:
+            _main = None
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # No lock here: the handler runs in the body's thread, which may hold it.
         if self._pending:
@@ -144,10 +170,6 @@ class Interrupter:
                     self._deferred = True
                     return
                 raise LeaseInterrupt("the lease was lost")
-            return
-        previous = self._previous
-        if callable(previous):
-            previous(signum, frame)
 
     # -- shielding store calls (called in the body's thread) -----------------------------------
     def _enter_shield(self) -> None:

@@ -15,6 +15,7 @@ from ._errors import LeaseConfigError
 __all__ = [
     "MAX_LABEL_LENGTH",
     "MAX_RESOURCE_LENGTH",
+    "RESOURCE_PATTERN",
     "RESOURCE_RULE",
     "clean_label",
     "show_value",
@@ -27,6 +28,8 @@ MAX_RESOURCE_LENGTH = 200
 MAX_LABEL_LENGTH = 200
 RESOURCE_RULE = "1..200 characters from A-Z a-z 0-9 and _ . : / - (no spaces, braces or globs)"
 _RESOURCE_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
+#: The compiled rule (``RESOURCE_PATTERN.fullmatch(name)``), for hot paths.
+RESOURCE_PATTERN = _RESOURCE_RE
 _LABEL_BAD = re.compile(r"[^\x21-\x7e ]")
 _IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 

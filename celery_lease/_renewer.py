@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from . import _events as events
 from . import _failpoints as failpoints
 from ._errors import LeaseError, LeaseLostError, LeaseStoreError
 from ._lease import Lease
@@ -71,6 +72,7 @@ class Renewer:
         self._io: ThreadPoolExecutor | None = None
         self._wake_at = float("inf")
         self._lost: list[tuple[Hold, LeaseLostError]] = []
+        self._closing = False
         self._pid = os.getpid()
         #: Renewal calls sent, failed and leases declared lost (for tests and metrics).
         self.calls = 0
@@ -88,6 +90,7 @@ class Renewer:
         """Start renewing ``lease`` every ``interval`` s, for at most ``max_runtime`` s."""
         hold = Hold(lease, interval, max_runtime, on_lost)
         with self._cond:
+            self._closing = False
             self._holds.add(hold)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
@@ -119,7 +122,7 @@ class Renewer:
                     now = time.monotonic()
                     if not self._holds:
                         idle_since = idle_since or now
-                        if now - idle_since >= IDLE_EXIT:
+                        if self._closing or now - idle_since >= IDLE_EXIT:
                             self._thread = None
                             return
                         self._wait(idle_since + IDLE_EXIT - now)
@@ -201,6 +204,7 @@ class Renewer:
             now = time.monotonic()
             if isinstance(results, BaseException):
                 self.failures += 1
+                events.count("celery_lease_renewal_failures_total")
                 for hold in holds:
                     # Retry soon, until the self-fence deadline declares the lease lost.
                     gap = min(hold.interval / 4, max(hold.lease.remaining() / 3, MIN_RETRY))
@@ -240,14 +244,19 @@ class Renewer:
                 return exc
 
     def shutdown(self) -> None:
-        """Forget every hold (their tasks release them) and stop the I/O thread."""
+        """Forget every hold (their tasks release them) and stop both threads."""
         with self._cond:
             for hold in self._holds:
                 hold.done = True
             self._holds.clear()
+            self._closing = True
             self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(2.0)
         if self._io is not None:
             self._io.shutdown(wait=False, cancel_futures=True)
+            self._io = None
 
 
 def _log_late_failure(future: Future[Any]) -> None:

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import socket
-import string
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -47,9 +46,11 @@ from ._errors import (
 from ._interrupt import Interrupter
 from ._lease import Lease, Owner
 from ._ledger import decode, encode
+from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._names import show_value, validate_resource
 from ._renewer import Hold, get_renewer
 from ._settings import LeaseSettings
+from ._template import NameTemplate
 
 __all__ = ["LeaseTask", "current_lease", "lease_task"]
 
@@ -61,7 +62,6 @@ WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
-_formatter = string.Formatter()
 
 
 def current_lease() -> Lease:
@@ -115,7 +115,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_retention: float | None = None
 
     _lease_settings_cache: LeaseSettings | None = None
-    _lease_signature: inspect.Signature | None = None
+    _lease_compiled: _Compiled | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -136,6 +136,13 @@ class LeaseTask(Task):  # type: ignore[misc]
         return settings
 
     # -- the resource --------------------------------------------------------------------------
+    def _compiled(self) -> _Compiled:
+        """Settings, store and name templates of this task, worked out once per process."""
+        compiled = self._lease_compiled
+        if compiled is None or compiled.pid != os.getpid():
+            compiled = self._lease_compiled = _Compiled(self)
+        return compiled
+
     def lease_resource_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The resource name for one call, from ``lease_resource`` and the call's arguments.
 
@@ -143,132 +150,64 @@ class LeaseTask(Task):  # type: ignore[misc]
             LeaseConfigError: no resource is configured, an argument the template needs is
                 missing or None, or the result is not a valid resource name.
         """
-        # A function stored on the class would come back as a bound method: read it raw.
-        spec = inspect.getattr_static(self, "lease_resource", None)
-        if isinstance(spec, (staticmethod, classmethod)):
-            spec = spec.__func__
-        if spec is None:
+        compiled = self._compiled()
+        if compiled.resource is None:
             raise LeaseConfigError(
                 f"task {self.name!r} has no lease resource: pass resource= to @lease_task or "
                 "set lease_resource on the LeaseTask subclass"
             )
-        resource = self._render(spec, args, kwargs, "resource")
+        resource = compiled.resource.render(args, kwargs)
+        if _RESOURCE_RE.fullmatch(resource):
+            return resource
         try:
             return validate_resource(resource)
         except LeaseConfigError as exc:
             raise LeaseConfigError(
-                f"task {self.name!r}: resource {show_value(spec)} gave {show_value(resource)}, "
-                f"which is not a valid resource name ({exc})"
+                f"task {self.name!r}: resource {show_value(compiled.resource.spec)} gave "
+                f"{show_value(resource)}, which is not a valid resource name ({exc})"
             ) from None
 
-    def _render(
-        self, spec: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str
-    ) -> str:
-        """Apply a template or callable ``spec`` to one call's arguments."""
-        if callable(spec):
-            value = spec(*args, **kwargs)
-            if value is None:
-                raise LeaseConfigError(
-                    f"the lease {what} callable of task {self.name!r} returned None"
-                )
-            return str(value)
-        if not isinstance(spec, str):
-            raise LeaseConfigError(
-                f"the lease {what} of task {self.name!r} must be a template string or a "
-                f"callable, got {show_value(spec)}"
-            )
-        mapping = self._bound_arguments(args, kwargs)
-        for _, field, _, _ in _formatter.parse(spec):
-            if field is None:
-                continue
-            if field == "" or field.split(".")[0].split("[")[0].isdigit():
-                raise LeaseConfigError(
-                    f"lease {what} template {spec!r} of task {self.name!r} uses a positional "
-                    "field; name the argument instead, e.g. {account_id}"
-                )
-            try:
-                value, _ = _formatter.get_field(field, (), mapping)
-            except (KeyError, AttributeError, IndexError, TypeError) as exc:
-                raise LeaseConfigError(
-                    f"lease {what} template {spec!r} of task {self.name!r} needs {field!r}, "
-                    f"which this call does not provide ({type(exc).__name__}: {exc}); "
-                    f"arguments given: {sorted(mapping)}"
-                ) from None
-            if value is None:
-                raise LeaseConfigError(
-                    f"lease {what} template {spec!r} of task {self.name!r}: argument "
-                    f"{field!r} is None; pass a value or make the {what} a callable"
-                )
-        try:
-            return spec.format_map(mapping)
-        except (ValueError, KeyError) as exc:
-            raise LeaseConfigError(
-                f"lease {what} template {spec!r} of task {self.name!r} is malformed: {exc}"
-            ) from None
-
-    def lease_identity_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+    def lease_identity_for(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], request: Any = None
+    ) -> str | None:
         """The identity of one execution, or None when dedup is off for this task.
 
         The message's ``idempotency_key`` header wins; then ``lease_identity`` (a template or
         callable over the arguments, like the resource); then the task id, which is stable
         across retry, requeue and redelivery.
         """
-        spec = inspect.getattr_static(self, "lease_identity", None)
-        if isinstance(spec, (staticmethod, classmethod)):
-            spec = spec.__func__
-        if spec is False or (spec is None and not self.lease_settings.dedup):
+        compiled = self._compiled()
+        if not compiled.dedup:
             return None
-        request = self.request
+        request = self.request if request is None else request
         key = _header(request, "idempotency_key")
         if key is not None:
             return self._checked_identity(str(key), "the idempotency_key header")
-        if spec is not None and spec is not True:
+        if compiled.identity is not None:
             return self._checked_identity(
-                self._render(spec, args, kwargs, "identity"), "the identity template"
+                compiled.identity.render(args, kwargs), "the identity template"
             )
         return request.id if request.id is not None else None
 
     def _checked_identity(self, value: str, source: str) -> str:
-        try:
-            return validate_resource(value)
-        except LeaseConfigError:
-            raise LeaseConfigError(
-                f"task {self.name!r}: {source} gave {show_value(value)}, which is not a valid "
-                "identity (1..200 of A-Z a-z 0-9 _ . : / -)"
-            ) from None
+        if _RESOURCE_RE.fullmatch(value):
+            return value
+        raise LeaseConfigError(
+            f"task {self.name!r}: {source} gave {show_value(value)}, which is not a valid "
+            "identity (1..200 of A-Z a-z 0-9 _ . : / -)"
+        )
 
-    def _bound_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        signature = self._lease_signature
-        if signature is None:
-            signature = inspect.signature(self.run)
-            self._lease_signature = signature
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise LeaseConfigError(
-                f"task {self.name!r} was called with arguments that do not match its "
-                f"signature {signature}: {exc}"
-            ) from None
-        bound.apply_defaults()
-        mapping: dict[str, Any] = {}
-        for name, value in bound.arguments.items():
-            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                mapping.update(value)
-            else:
-                mapping[name] = value
-        return mapping
-
-    # -- the execution ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        settings = self.lease_settings
+        compiled = self._compiled()
+        settings = compiled.settings
         direct = bool(request.called_directly)
         if direct and settings.allow_direct_call:
             return super().__call__(*args, **kwargs)
         resource = self.lease_resource_for(args, kwargs)
-        identity = self.lease_identity_for(args, kwargs)
-        store = get_store(self.app, settings)
-        owner = Owner.new(_owner_label(request))
+        identity = self.lease_identity_for(args, kwargs, request)
+        store = compiled.store
+        owner = Owner.fresh(_owner_label(request))
         try:
             lease = store.acquire(resource, owner, settings.ttl, identity=identity)
         except IdentityDoneError as done:
@@ -566,6 +505,37 @@ class LeaseTask(Task):  # type: ignore[misc]
         events.send_event(
             self.app, hostname or request.hostname, task_id or request.id, type_, **fields_
         )
+
+
+class _Compiled:
+    """What a lease task works out once per process: settings, store, name templates."""
+
+    __slots__ = ("dedup", "identity", "pid", "resource", "settings", "store")
+
+    def __init__(self, task: LeaseTask) -> None:
+        self.pid = os.getpid()
+        self.settings = task.lease_settings
+        self.store = get_store(task.app, self.settings)
+        signature = inspect.signature(task.run)
+        resource = _raw_attr(task, "lease_resource")
+        self.resource = (
+            None if resource is None else NameTemplate(resource, signature, "resource", task.name)
+        )
+        identity = _raw_attr(task, "lease_identity")
+        self.dedup = identity is not False and (identity is not None or self.settings.dedup)
+        self.identity = (
+            NameTemplate(identity, signature, "identity", task.name)
+            if identity not in (None, True, False)
+            else None
+        )
+
+
+def _raw_attr(task: LeaseTask, name: str) -> Any:
+    """A class attribute as written (a function stored there would come back as a method)."""
+    value = inspect.getattr_static(task, name, None)
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    return value
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:
