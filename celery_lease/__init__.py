@@ -15,6 +15,7 @@ from ._errors import (
     StaleFenceError,
 )
 from ._fencing import FenceGate
+from ._interrupt import shielded
 from ._lease import Lease, LeaseInfo, Owner
 from ._ledger import REDO, Effect
 from ._task import LeaseTask, current_lease, lease_task
@@ -44,5 +45,6 @@ __all__ = [
     "current_lease",
     "install",
     "lease_task",
+    "shielded",
     "store_from_url",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
 from ._fencing import FenceGate
+from ._interrupt import shielded
 from ._lease import Lease
 from ._names import show_value, validate_resource
 
@@ -85,12 +86,16 @@ def fenced_update(
         .where(sa.or_(column.is_(None), column <= value))
         .values({**values, fence_column: value})
     )
-    result = connection.execute(statement)
-    if result.rowcount:
-        return int(result.rowcount)
-    newest = connection.execute(sa.select(sa.func.max(column)).where(where)).scalar()
-    exists = connection.execute(sa.select(sa.func.count()).select_from(table).where(where))
-    if not exists.scalar():
+    # Shielded: a lease interrupt waits until the driver call returns (a connection cut off
+    # mid-command would fail the transaction's rollback and hide the LeaseLostError).
+    with shielded():
+        result = connection.execute(statement)
+        if result.rowcount:
+            return int(result.rowcount)
+        newest = connection.execute(sa.select(sa.func.max(column)).where(where)).scalar()
+        exists = connection.execute(sa.select(sa.func.count()).select_from(table).where(where))
+        found = exists.scalar()
+    if not found:
         raise LookupError(f"no row of {table.name} matches the fenced update's condition")
     events.count("celery_lease_stale_fence_rejections_total")
     raise StaleFenceError.rejected(f"{table.name} row", value, newest)
@@ -135,7 +140,8 @@ def fenced_hset(
     args: list[Any] = [value, fence_field]
     for field, item in mapping.items():
         args += [field, item]
-    ok, stored = script(keys=[key], args=args)
+    with shielded():  # a lease interrupt waits until the reply is read
+        ok, stored = script(keys=[key], args=args)
     if not ok:
         events.count("celery_lease_stale_fence_rejections_total")
         raise StaleFenceError.rejected(key, value, int(stored))

@@ -7,10 +7,12 @@ so no user input ever becomes part of a lease key name or pattern)::
     <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
     <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset), and
                                   "!epoch" -> server time (us) when the shard was first written
-    <prefix>{NN}:ids       hash   "<resource>|<identity>" -> "<state>\n<fence>\n<label>\n<result>"
+    <prefix>{NN}:ids       hash   "<resource>|<identity>" ->
+                                  "<state>\n<fence>\n<token>\n<label>\n<result>"
     <prefix>{NN}:ids_exp   zset   "<resource>|<identity>" -> when the record expires (us)
     <prefix>{NN}:ckpt      hash   "<resource>|<identity>" -> "<fence>\n<checkpoints json>"
-    <prefix>{NN}:ledger    hash   "<resource>|<identity>|<key>" -> "<state>\n<fence>\n<receipt>"
+    <prefix>{NN}:ledger    hash   "<resource>|<identity>|<key>" ->
+                                  "<state>\n<fence>\n<token>\n<receipt>"
     <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
 
 ``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
@@ -37,8 +39,9 @@ local function parse(rec)
 end
 """
 _IDENT = """
+-- state, fence, owner token, label, result
 local function parse_ident(rec)
-  return string.match(rec, '^([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+  return string.match(rec, '^([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
 end
 -- drop up to two expired entries of a retention index and their records (bounded work)
 local function trim(index, now, hash1, hash2)
@@ -78,7 +81,8 @@ if ARGV[5] ~= '' then
   if ident and (not kept or tonumber(kept) <= now) then ident = false end  -- past retention
   if ident then
     local result
-    ist, ifence, ilabel, result = parse_ident(ident)
+    local itoken
+    ist, ifence, itoken, ilabel, result = parse_ident(ident)
     if ist == 'done' then return {2, tonumber(ifence), result} end
   end
 end
@@ -120,7 +124,8 @@ if member then
   else
     ist, ifence, ilabel = false, false, false
   end
-  redis.call('HSET', KEYS[4], member, 'running\\n' .. fmt(fence) .. '\\n' .. ARGV[3] .. '\\n')
+  local rec = 'running\\n' .. fmt(fence) .. '\\n' .. ARGV[2] .. '\\n' .. ARGV[3] .. '\\n'
+  redis.call('HSET', KEYS[4], member, rec)
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), member)
 end
 return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt}
@@ -205,11 +210,11 @@ RELEASE_OUTCOME = (
 local member = ARGV[1] .. '|' .. ARGV[4]
 local ident = redis.call('HGET', KEYS[3], member)
 if ident then
-  local st, f, label = parse_ident(ident)
-  if f == ARGV[3] and st ~= 'done' then
+  local st, f, tok, label = parse_ident(ident)
+  if f == ARGV[3] and tok == ARGV[2] and st ~= 'done' then
     local result = ''
     if ARGV[5] == 'done' then result = ARGV[6] end
-    local rec = ARGV[5] .. '\\n' .. f .. '\\n' .. label .. '\\n' .. result
+    local rec = ARGV[5] .. '\\n' .. f .. '\\n' .. tok .. '\\n' .. label .. '\\n' .. result
     redis.call('HSET', KEYS[3], member, rec)
     redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), member)
   end
@@ -352,11 +357,11 @@ local kept = redis.call('ZSCORE', KEYS[3], member)
 if entry and (not kept or tonumber(kept) <= now) then entry = false end  -- past retention
 local earlier = nil
 if entry then
-  local st, ef, receipt = string.match(entry, '^([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+  local st, ef, et, receipt = string.match(entry, '^([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
   if st == 'done' then return {1, 'done', tonumber(ef), receipt} end
   if ef ~= ARGV[3] then earlier = tonumber(ef) end
 end
-redis.call('HSET', KEYS[2], member, 'intent\\n' .. ARGV[3] .. '\\n')
+redis.call('HSET', KEYS[2], member, 'intent\\n' .. ARGV[3] .. '\\n' .. ARGV[2] .. '\\n')
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), member)
 if earlier then return {1, 'intent', earlier} end
 return {1, 'new'}
@@ -367,16 +372,16 @@ EFFECT_DONE = (
     """
 -- KEYS[1] ledger hash, KEYS[2] ledger_exp zset
 -- ARGV[1] "<resource>|<identity>|<key>", ARGV[2] fence, ARGV[3] receipt (JSON),
--- ARGV[4] retention (us)
--- completes the intent recorded with this fence; returns 1, or 0 when it is not ours
+-- ARGV[4] retention (us), ARGV[5] owner token
+-- completes the intent recorded with this fence and token; returns 1, or 0 when not ours
 """
     + _PRELUDE
     + """
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then return 0 end
-local st, ef = string.match(entry, '^([^\\n]*)\\n([^\\n]*)\\n')
-if st ~= 'intent' or ef ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], 'done\\n' .. ARGV[2] .. '\\n' .. ARGV[3])
+local st, ef, et = string.match(entry, '^([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n')
+if st ~= 'intent' or ef ~= ARGV[2] or et ~= ARGV[5] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], 'done\\n' .. ARGV[2] .. '\\n' .. ARGV[5] .. '\\n' .. ARGV[3])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[1])
 return 1
 """

@@ -145,6 +145,7 @@ class SQLLedgerMixin:
             "i": identity,
             "k": key,
             "f": lease.fence,
+            "t": lease.owner.token,
             "rc": receipt,
             "ret": self._ret_us,
         }

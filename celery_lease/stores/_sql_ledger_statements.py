@@ -37,11 +37,12 @@ class LedgerStatements:
             SELECT state, fence, owner_label, result, expires_us FROM {ids}
             WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
         mark = f"""
-            INSERT INTO {ids} AS d (resource, identity, state, fence, owner_label, result,
-                                   expires_us)
+            INSERT INTO {ids} AS d (resource, identity, state, fence, owner_token, owner_label,
+                                   result, expires_us)
             {{source}}
             ON CONFLICT (resource, identity) DO UPDATE SET state = 'running',
-                fence = excluded.fence, owner_label = excluded.owner_label, result = NULL,
+                fence = excluded.fence, owner_token = excluded.owner_token,
+                owner_label = excluded.owner_label, result = NULL,
                 expires_us = excluded.expires_us
             WHERE d.state <> 'done' OR d.expires_us <= excluded.expires_us - {p("ret")}"""
         self.ckpt_read = f"""
@@ -51,11 +52,12 @@ class LedgerStatements:
             SELECT owner_token, owner_label, fence, expires_us, {now}
             FROM {t} WHERE resource = {p("r")}"""
         ledger_upsert = f"""
-            INSERT INTO {ledger} AS x (resource, identity, key, state, fence, receipt,
-                                      expires_us)
+            INSERT INTO {ledger} AS x (resource, identity, key, state, fence, owner_token,
+                                      receipt, expires_us)
             {{source}}
             ON CONFLICT (resource, identity, key) DO UPDATE SET state = 'intent',
-                fence = excluded.fence, receipt = NULL, expires_us = excluded.expires_us
+                fence = excluded.fence, owner_token = excluded.owner_token, receipt = NULL,
+                expires_us = excluded.expires_us
             WHERE x.state <> 'done' OR x.expires_us <= excluded.expires_us - {p("ret")}"""
         ckpt_upsert = f"""
             INSERT INTO {ckpt} AS c (resource, identity, fence, data, expires_us)
@@ -67,12 +69,12 @@ class LedgerStatements:
             UPDATE {ids} SET state = {p("o")}, result = {p("res")},
                 expires_us = {now} + {p("ret")}
             WHERE resource = {p("r")} AND identity = {p("i")} AND fence = {p("f")}
-              AND state <> 'done'"""
+              AND owner_token = {p("t")} AND state <> 'done'"""
         self.ledger_done = f"""
             UPDATE {ledger} SET state = 'done', receipt = {p("rc")},
                 expires_us = {now} + {p("ret")}
             WHERE resource = {p("r")} AND identity = {p("i")} AND key = {p("k")}
-              AND fence = {p("f")} AND state = 'intent'"""
+              AND fence = {p("f")} AND owner_token = {p("t")} AND state = 'intent'"""
         self.ledger_read = f"""
             SELECT state, fence, receipt FROM {ledger}
             WHERE resource = {p("r")} AND identity = {p("i")} AND key = {p("k")} AND {alive}"""
@@ -84,12 +86,12 @@ class LedgerStatements:
               AND expires_us > {now}"""
         if dialect == "sqlite":
             self.mark = mark.format(
-                source=f"VALUES ({p('r')}, {p('i')}, 'running', {p('f')}, {p('l')}, NULL, "
-                f"{now} + {p('ret')})"
+                source=f"VALUES ({p('r')}, {p('i')}, 'running', {p('f')}, {p('t')}, {p('l')}, "
+                f"NULL, {now} + {p('ret')})"
             )
             self.ledger_intent = ledger_upsert.format(
-                source=f"VALUES ({p('r')}, {p('i')}, {p('k')}, 'intent', {p('f')}, NULL, "
-                f"{now} + {p('ret')})"
+                source=f"VALUES ({p('r')}, {p('i')}, {p('k')}, 'intent', {p('f')}, {p('t')}, "
+                f"NULL, {now} + {p('ret')})"
             )
             self.ckpt_write = ckpt_upsert.format(
                 source=f"VALUES ({p('r')}, {p('i')}, {p('f')}, {p('data')}, {now} + {p('ret')})"
@@ -107,7 +109,7 @@ class LedgerStatements:
             mark AS ({
             mark.format(
                 source=f'''
-                SELECT {p("r")}, {p("i")}, 'running', claim.fence, {p("l")}, NULL,
+                SELECT {p("r")}, {p("i")}, 'running', claim.fence, {p("t")}, {p("l")}, NULL,
                        clk.us + {p("ret")}
                 FROM claim, clk'''
             )
@@ -136,7 +138,7 @@ class LedgerStatements:
             up AS ({
             ledger_upsert.format(
                 source=f'''
-                SELECT {p("r")}, {p("i")}, {p("k")}, 'intent', {p("f")}, NULL,
+                SELECT {p("r")}, {p("i")}, {p("k")}, 'intent', {p("f")}, {p("t")}, NULL,
                        clk.us + {p("ret")}
                 FROM clk WHERE EXISTS (SELECT 1 FROM live)'''
             )

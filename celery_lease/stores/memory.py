@@ -75,9 +75,9 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}
         self._gates: dict[str, int] = {}
-        # (resource, identity) -> [state, fence, label, result, expires_us]
+        # (resource, identity) -> [state, fence, label, result, expires_us, token]
         self._ids: dict[tuple[str, str], list[Any]] = {}
-        # (resource, identity, key) -> [state, fence, receipt, expires_us]
+        # (resource, identity, key) -> [state, fence, receipt, expires_us, token]
         self._ledger: dict[tuple[str, str, str], list[Any]] = {}
         # (resource, identity) -> [fence, data, expires_us]
         self._ckpts: dict[tuple[str, str], list[Any]] = {}
@@ -93,7 +93,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         sent = monotonic()
         with self._lock:
             now = self._now_us()
-            ident = self._alive(self._ids, (resource, identity or ""), now, -1)
+            ident = self._alive(self._ids, (resource, identity or ""), now, 4)
             if identity is not None and ident is not None and ident[0] == "done":
                 raise IdentityDoneError.completed(resource, identity, ident[1], ident[3])
             current = self._leases.get(resource)
@@ -121,6 +121,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                     owner.label,
                     None,
                     now + self._retention_us,
+                    owner.token,
                 ]
         return Lease(
             resource=resource,
@@ -194,7 +195,11 @@ class MemoryLeaseStore(BaseLeaseStore):
             if outcome is not None:
                 assert lease.identity is not None
                 ident = self._ids.get((lease.resource, lease.identity))
-                if ident is not None and ident[1] == lease.fence and ident[0] != "done":
+                ours = ident is not None and (ident[1], ident[5]) == (
+                    lease.fence,
+                    lease.owner.token,
+                )
+                if ident is not None and ours and ident[0] != "done":
                     ident[0] = outcome
                     ident[3] = result if outcome == "done" else None
                     ident[4] = self._now_us() + self._retention_us
@@ -214,7 +219,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             live = self._live_record(lease, now)
             if isinstance(live, LeaseLostError):
                 raise live
-            entry = self._alive(self._ledger, (lease.resource, identity, key), now, -1)
+            entry = self._alive(self._ledger, (lease.resource, identity, key), now, 3)
             if entry is not None and entry[0] == "done":
                 return "done", entry[1], entry[2]
             self._ledger[(lease.resource, identity, key)] = [
@@ -222,6 +227,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                 lease.fence,
                 None,
                 now + self._retention_us,
+                lease.owner.token,
             ]
             if entry is not None and entry[1] != lease.fence:
                 return "intent", entry[1], None
@@ -231,9 +237,11 @@ class MemoryLeaseStore(BaseLeaseStore):
         identity, key = self._ledger_args(lease, key)
         with self._lock:
             entry = self._ledger.get((lease.resource, identity, key))
-            if entry is None or entry[0] != "intent" or entry[1] != lease.fence:
+            if entry is None or entry[0] != "intent":
                 return False
-            entry[:] = ["done", lease.fence, receipt, self._now_us() + self._retention_us]
+            if (entry[1], entry[4]) != (lease.fence, lease.owner.token):
+                return False
+            entry[:4] = ["done", lease.fence, receipt, self._now_us() + self._retention_us]
             return True
 
     def checkpoint(self, lease: Lease, data: str) -> None:
@@ -252,10 +260,10 @@ class MemoryLeaseStore(BaseLeaseStore):
         validate_resource(resource)
         identity = self._identity_args(identity) or ""
         with self._lock:
-            record = self._alive(self._ids, (resource, identity), self._now_us(), -1)
+            record = self._alive(self._ids, (resource, identity), self._now_us(), 4)
             if record is None:
                 return None
-            state, fence, label, result, expires = record
+            state, fence, label, result, expires, _token = record
         return IdentityInfo(resource, identity, state, fence, label, result, from_micros(expires))
 
     def get(self, resource: str) -> LeaseInfo | None:

@@ -476,7 +476,8 @@ class RedisLeaseStore(BaseLeaseStore):
         member = f"{lease.resource}|{identity}|{key}"
         with self._run("effect %r done of %r", (key, lease.resource)):
             done = self._effect_done(
-                keys=keys, args=[member, lease.fence, receipt, self._retention_us]
+                keys=keys,
+                args=[member, lease.fence, receipt, self._retention_us, lease.owner.token],
             )
         return bool(done)
 
@@ -498,7 +499,7 @@ class RedisLeaseStore(BaseLeaseStore):
         if not reply:
             return None
         record, expires = reply
-        state, fence, label, result = _text(record).split("\n", 3)
+        state, fence, _token, label, result = _text(record).split("\n", 4)
         return IdentityInfo(
             resource,
             identity,

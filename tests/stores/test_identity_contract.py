@@ -189,3 +189,37 @@ class TestRetention:
                 assert store.effect_begin(again, "k") == ("new", None, None)
             finally:
                 store.close()
+
+
+class TestWrongOwner:
+    """A fence is a number, not a secret: the owner token must match too (RELIABILITY T4)."""
+
+    @staticmethod
+    def impostor(store, lease):
+        from celery_lease import Lease
+
+        return Lease(
+            resource=lease.resource,
+            owner=Owner.new("intruder"),
+            fence=lease.fence,
+            acquired_at=lease.acquired_at,
+            expires_at=lease.expires_at,
+            ttl=lease.ttl,
+            sent_monotonic=0,
+            store=store,
+            identity=lease.identity,
+        )
+
+    def test_a_wrong_owner_cannot_record_the_outcome(self, store, names):
+        lease = claim(store, names)
+        before = store.identity_get(names + "r", "job-1")
+        assert store.release(self.impostor(store, lease), outcome="done", result="1") is False
+        assert store.identity_get(names + "r", "job-1") == before
+        store.verify(lease)
+
+    def test_a_wrong_owner_cannot_complete_an_effect(self, store, names):
+        lease = claim(store, names)
+        store.effect_begin(lease, "charge")
+        assert store.effect_done(self.impostor(store, lease), "charge", '"forged"') is False
+        assert store.effect_done(lease, "charge", '"real"') is True
+        assert store.effect_begin(lease, "charge") == ("done", lease.fence, '"real"')
