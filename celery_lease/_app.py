@@ -20,7 +20,7 @@ from . import _events as events
 from ._errors import LeaseConfigError, LeaseError
 from ._renewer import get_renewer
 from ._settings import LeaseSettings
-from .stores import LeaseStore, store_from_url
+from .stores import LeaseStore, mask_url, store_from_url
 
 __all__ = ["LeaseBootstep", "get_store", "install", "release_all_held"]
 
@@ -151,12 +151,16 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, worker: Any) -> None:
         app = worker.app
         settings = LeaseSettings.resolve(app.conf)  # bad settings stop the worker here
-        store = get_store(app, settings)
         try:
+            store = get_store(app, settings)
             warnings = store.check_health()
-        except LeaseError as exc:
+        except LeaseConfigError:
+            raise
+        except LeaseError as exc:  # the store is down: tasks wait for it, the worker starts
             log.error(  # noqa: TRY400 - the message says it all; no traceback wanted
-                "celery_lease store %s is not usable at start: %s", store.url, exc
+                "celery_lease store %s is not usable at start: %s",
+                mask_url(settings.store_url),
+                exc,
             )
             return
         for warning in warnings:

@@ -13,6 +13,19 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
+
+
+def wait(job: Any, worker: subprocess.Popen[bytes], timeout: float = 120.0) -> Any:
+    """A task's result, failing at once (not after the timeout) if the worker died."""
+    deadline = time.monotonic() + timeout
+    while not job.ready():
+        if worker.poll() is not None:
+            raise SystemExit(f"the worker exited with status {worker.returncode}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"task {job.id} did not finish in {timeout:.0f}s")
+        time.sleep(0.05)
+    return job.get()
 
 
 def main() -> int:
@@ -25,6 +38,7 @@ def main() -> int:
                 sys.executable,
                 "-m",
                 "celery",
+                "--quiet",  # no banner (a global option: it goes before the subcommand)
                 "-A",
                 "example_project.proj",
                 "worker",
@@ -37,7 +51,6 @@ def main() -> int:
                 "--without-gossip",
                 "--without-mingle",
                 "--without-heartbeat",
-                "--quiet",
             ],
             env={**os.environ, "EXAMPLE_DATA": tmp},
         )
@@ -47,8 +60,8 @@ def main() -> int:
                 refresh_dashboard.delay(account, step) for step in range(4) for account in (1, 2, 3)
             ]
             invoices = [send_invoice.delay(17) for _ in range(2)]
-            results = [job.get(timeout=120) for job in jobs]
-            fences = [job.get(timeout=120) for job in invoices]
+            results = [wait(job, worker) for job in jobs]
+            fences = [wait(job, worker) for job in invoices]
             elapsed = time.monotonic() - started
         finally:
             worker.send_signal(signal.SIGTERM)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import random
 import threading
+import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -143,16 +146,25 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
     # -- schema ----------------------------------------------------------------------------
     def create_tables(self) -> None:
         """Create the tables and the schema version row if missing; check the version."""
-        for attempt in range(3):
+        # Many workers may start at once on a new prefix: on PostgreSQL the DDL runs under a
+        # transaction-scoped advisory lock; anywhere, a clash is retried with jittered backoff.
+        lock_key = zlib.crc32(f"celery_lease schema {self.leases_table.name}".encode())
+        deadline = time.monotonic() + 30.0
+        delay = 0.05
+        while True:
             try:
                 with self.engine.begin() as conn:
+                    if self.dialect == "postgresql":
+                        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
                     self.metadata.create_all(conn, checkfirst=True)
                 break
             except SQLAlchemyError as exc:  # another process created them at the same time
-                if attempt == 2:
+                if time.monotonic() > deadline:
                     raise LeaseStoreError(
                         f"could not create the lease tables in {self.url}: {exc}"
                     ) from exc
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
         meta = self.meta_table
         with self._translate("schema check"), self.engine.begin() as conn:
             found = conn.execute(

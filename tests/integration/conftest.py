@@ -93,3 +93,21 @@ def start_worker(it_app: Any, events: Events, tmp_path: Path) -> Iterator[Callab
 @pytest.fixture
 def queue() -> str:
     return unique("q")
+
+
+@pytest.fixture
+def make_sink(it_app: Any) -> Iterator[Callable[[dict[str, str]], Any]]:
+    """Create the side-effect sink of a test's workers (``CL_SINK``/``CL_SINK_NAME``); it is
+    dropped when the test ends (list this fixture before ``start_worker``: it is then torn down
+    after the workers stopped)."""
+    made: list[Any] = []
+
+    def make(env: dict[str, str]) -> Any:
+        sink = it_app.eo.Sink(env.get("CL_SINK", ""), env["CL_SINK_NAME"])
+        sink.create()
+        made.append(sink)
+        return sink
+
+    yield make
+    for sink in made:
+        sink.drop()

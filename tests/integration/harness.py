@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def children_of(pid: int) -> list[int]:
-    """PIDs of the direct children of ``pid`` (the prefork pool processes)."""
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
+    """PIDs of the direct children of ``pid`` (the prefork pool processes).
+
+    Each thread of the process lists the children it forked (a pool child that replaces a dead
+    one is forked by the pool's supervisor thread, not the main thread).
+    """
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
 
 
 class Worker:
@@ -114,6 +121,19 @@ class Worker:
     def owns(self, pid: int) -> bool:
         """Whether ``pid`` is this worker or one of its pool children (safe to signal)."""
         return self.proc is not None and pid in (self.proc.pid, *children_of(self.proc.pid))
+
+    def kill(self) -> list[int]:
+        """SIGKILL the worker and its pool children at once (a machine loss); returns the PIDs.
+
+        Nothing is acked or requeued by the worker: its unacked messages stay with the broker.
+        """
+        assert self.proc is not None
+        pids = [self.proc.pid, *children_of(self.proc.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+        return pids
 
     def stop(self, timeout: float = 15.0) -> None:
         self.request_stop()
@@ -289,3 +309,90 @@ def check_fenced_writes(events: list[dict[str, Any]], key: str = "trial") -> dic
         )
         seen.append(event["fence"])
     return fences
+
+
+# -- the broker -----------------------------------------------------------------------------------
+def queue_busy(broker: redis.Redis, queue: str) -> int:
+    """Messages of ``queue`` still in the Redis broker: waiting, or delivered and not acked.
+
+    The Redis transport keeps delivered, unacked messages (running, or held for their ETA by a
+    worker) in its global ``unacked`` hash with their routing key.
+    """
+    waiting = int(broker.llen(queue))
+    unacked = 0
+    for raw in broker.hvals("unacked"):
+        try:
+            _, _, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        unacked += routing_key == queue
+    return waiting + unacked
+
+
+def wait_queue_idle(broker: redis.Redis, queue: str, timeout: float, settle: float = 1.5) -> None:
+    """Wait until ``queue`` has had no waiting or unacked message for ``settle`` seconds.
+
+    (A message moves from the list to the unacked hash in two steps; the settle time covers
+    that gap and a redelivery sweep.)
+    """
+    deadline = time.monotonic() + timeout
+    idle_since: float | None = None
+    while True:
+        now = time.monotonic()
+        if queue_busy(broker, queue):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= settle:
+            return
+        if now > deadline:
+            raise TimeoutError(f"queue {queue} still busy after {timeout}s")
+        time.sleep(0.1)
+
+
+# -- results ------------------------------------------------------------------------------------
+def backend_meta(app: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The Redis result backend's record of each task id (one MGET per 500 ids)."""
+    backend = app.backend
+    out: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        raw = backend.client.mget([backend.get_key_for_task(i) for i in chunk])
+        for task_id, value in zip(chunk, raw, strict=True):
+            out[task_id] = backend.decode_result(value) if value else {"status": "PENDING"}
+    return out
+
+
+def wait_success(
+    app: Any, ids: list[str], timeout: float, tick: Callable[[], None] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Wait until every task id is SUCCESS (a FAILURE fails at once); ``tick`` runs between
+    polls (a nemesis, say). Returns the records."""
+    deadline = time.monotonic() + timeout
+    next_poll = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= next_poll:
+            metas = backend_meta(app, ids)
+            pending = [i for i, m in metas.items() if m["status"] != "SUCCESS"]
+            if not pending:
+                return metas
+            failed = [metas[i] for i in pending if metas[i]["status"] == "FAILURE"]
+            assert not failed, f"{len(failed)} tasks failed, e.g. {failed[:2]}"
+            if now > deadline:
+                raise TimeoutError(f"{len(pending)} tasks not SUCCESS, e.g. {pending[:5]}")
+            next_poll = now + 0.25
+        if tick is not None:
+            tick()
+        time.sleep(0.01)
+
+
+def prepare_store(env: dict[str, str]) -> None:
+    """Create the store's tables from the test process before workers start.
+
+    Several workers starting at once on a fresh PostgreSQL table prefix race to create the
+    tables, and ``SQLLeaseStore.create_tables`` gives up after three immediate attempts: the
+    worker then dies at start (a library bug, reproduced by test_concurrent_start.py). Tests
+    about something else create the tables first.
+    """
+    worker_store(env).close()

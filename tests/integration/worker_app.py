@@ -43,6 +43,15 @@ app.conf.update(
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
 )
+if env.get("CL_VISIBILITY"):
+    # A short visibility timeout makes the Redis transport redeliver a message whose worker
+    # has not acked it within that time (a long task, or a worker that died), checked every
+    # second rather than every 100 s.
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(env["CL_VISIBILITY"]),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
 
 _coord: redis.Redis | None = None
 _coord_pid: int | None = None
@@ -289,3 +298,7 @@ def gated_write(self: Any, n: int) -> int:
     gate().admit(f"gated-{n}", lease.fence)
     report("write", res=n, fence=lease.fence, attempt=attempt)
     return lease.fence
+
+
+# The exactly-once scenarios' tasks register on this app too (imported last: they use it).
+from tests.integration import eo_tasks as eo  # noqa: E402, F401
