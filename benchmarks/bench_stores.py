@@ -832,6 +832,8 @@ def evaluate_targets(
                 }
             )
     for kind in ("redis", "postgres"):
+        if kind not in round_trips:
+            continue  # not measured in this run (--stores)
         counted = round_trips.get(kind, {}).get("store")
         for op in ("acquire", "release"):
             value = None if counted is None or "error" in counted else counted[op]

@@ -126,7 +126,7 @@ class LedgerStatements:
         self.release_outcome = f"""
             WITH upd AS ({self.ident_outcome} RETURNING 1),
             rel AS (
-                UPDATE {t} SET owner_token = NULL, expires_us = NULL, prev_label = NULL,
+                UPDATE {t} SET owner_token = NULL, prev_label = NULL,
                     prev_fence = NULL
                 WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
                 RETURNING 1)

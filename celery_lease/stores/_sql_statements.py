@@ -1,7 +1,9 @@
 """The SQL statements of the SQL lease store, per dialect.
 
 Table ``leases``: one row per resource ever claimed. A released lease keeps its row (owner_token
-and expires_us NULL) so the fence sequence survives; ``fence`` only ever grows. Times are
+NULL) so the fence sequence survives; ``fence`` only ever grows. A release leaves ``expires_us``
+as it was (a released row is recognised by its NULL token): the release then changes no indexed
+column, which lets PostgreSQL update the row in place (HOT) without touching the expiry index. Times are
 microseconds since the epoch on the database clock. Every statement takes bound parameters
 only; the table name is quoted by SQLAlchemy's dialect before it is put in.
 """
@@ -81,7 +83,7 @@ class Statements:
             SELECT owner_token, owner_label, fence, expires_us, {now}
             FROM {t} WHERE resource = {p("r")}"""
         self.release = f"""
-            UPDATE {t} SET owner_token = NULL, expires_us = NULL, prev_label = NULL,
+            UPDATE {t} SET owner_token = NULL, prev_label = NULL,
                 prev_fence = NULL
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}"""
         self.get = f"""
@@ -100,7 +102,7 @@ class Statements:
         if dialect == "postgresql":
             # Old values come back through the locked sub-select joined to the update.
             self.force_release = f"""
-                UPDATE {t} AS l SET owner_token = NULL, expires_us = NULL, fence = l.fence + 1,
+                UPDATE {t} AS l SET owner_token = NULL, fence = l.fence + 1,
                     prev_label = NULL, prev_fence = NULL
                 FROM (SELECT resource, owner_token, owner_label, fence, acquired_us, expires_us
                       FROM {t} WHERE resource = {p("r")} FOR UPDATE) AS old
@@ -109,7 +111,7 @@ class Statements:
                     old.fence, old.acquired_us, old.expires_us, {now}"""
         else:
             self.force_release = f"""
-                UPDATE {t} SET owner_token = NULL, expires_us = NULL, fence = fence + 1,
+                UPDATE {t} SET owner_token = NULL, fence = fence + 1,
                     prev_label = NULL, prev_fence = NULL
                 WHERE resource = {p("r")}"""
 

@@ -668,6 +668,8 @@ def _tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
             sa.Column("prev_label", sa.String(200), nullable=True),
             sa.Column("prev_fence", sa.BigInteger, nullable=True),
             sa.Index(f"{prefix}leases_expiry", "expires_us", "resource"),
+            # Room on each page for in-place (HOT) updates of the frequently rewritten rows.
+            postgresql_with={"fillfactor": 70},
         ),
         "meta": sa.Table(
             f"{prefix}meta",
