@@ -20,6 +20,7 @@ returns, so it never leaves a driver connection in the middle of a command.
 
 from __future__ import annotations
 
+import _signal
 import ctypes
 import signal
 import sys
@@ -50,7 +51,7 @@ def _dispatch(signum: int, frame: FrameType | None) -> None:
 def _install_dispatcher() -> None:
     """Put our SIGUSR1 dispatcher in place (main thread only; cheap when it already is)."""
     global _replaced  # noqa: PLW0603 - one handler per process
-    current = signal.getsignal(_SIGNAL)  # type: ignore[arg-type]
+    current = _signal.getsignal(_SIGNAL)  # the raw handler, without signal's enum wrapping
     if current is not _dispatch:
         _replaced = current
         signal.signal(_SIGNAL, _dispatch)  # type: ignore[arg-type]

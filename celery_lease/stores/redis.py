@@ -50,6 +50,11 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "RedisLeaseStore needs the redis package: pip install 'celery-lease[redis]'"
     ) from exc
 
+try:  # hiredis packs a command in C; redis-py's own packer walks the arguments in Python
+    from hiredis import pack_command as _pack_command
+except ImportError:  # pragma: no cover - depends on the install
+    _pack_command = None
+
 __all__ = ["RedisLeaseStore"]
 
 _KEY_KINDS = ("leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
@@ -115,6 +120,10 @@ class _Connections:
         pool = getattr(client, "connection_pool", None)
         self.pool = pool if isinstance(pool, redis.ConnectionPool) else None
         self.local = threading.local()
+        # hiredis encodes text as UTF-8: use it only when the client would do the same.
+        kwargs = self.pool.connection_kwargs if self.pool is not None else {}
+        encoding = str(kwargs.get("encoding", "utf-8")).lower().replace("_", "-")
+        self.pack = _pack_command if encoding in ("utf-8", "utf8") else None
 
     def execute(self, *command: Any) -> Any:
         if self.pool is None:
@@ -122,7 +131,10 @@ class _Connections:
         for attempt in (1, 2):
             conn = self._held()
             try:
-                conn.send_command(*command)
+                if self.pack is not None:
+                    conn.send_packed_command((self.pack(command),), check_health=False)
+                else:
+                    conn.send_command(*command)
                 return conn.read_response()
             except redis.exceptions.ResponseError:
                 raise  # a reply was read: the connection is in a clean state
