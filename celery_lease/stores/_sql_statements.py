@@ -2,10 +2,10 @@
 
 Table ``leases``: one row per resource ever claimed. A released lease keeps its row (owner_token
 NULL) so the fence sequence survives; ``fence`` only ever grows. A release leaves ``expires_us``
-as it was (a released row is recognised by its NULL token): the release then changes no indexed
-column, which lets PostgreSQL update the row in place (HOT) without touching the expiry index. Times are
-microseconds since the epoch on the database clock. Every statement takes bound parameters
-only; the table name is quoted by SQLAlchemy's dialect before it is put in.
+as it was (a released row is recognised by its NULL token): the release then changes no
+indexed column, which lets PostgreSQL update the row in place (HOT) without touching the expiry
+index. Times are microseconds since the epoch on the database clock. Every statement takes
+bound parameters only; the table name is quoted by SQLAlchemy's dialect before it is put in.
 """
 
 from __future__ import annotations
