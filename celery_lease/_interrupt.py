@@ -20,7 +20,7 @@ returns, so it never leaves a driver connection in the middle of a command.
 
 from __future__ import annotations
 
-import _signal
+import _signal  # type: ignore[import-not-found]
 import ctypes
 import signal
 import sys

@@ -53,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 try:  # hiredis packs a command in C; redis-py's own packer walks the arguments in Python
     from hiredis import pack_command as _pack_command
 except ImportError:  # pragma: no cover - depends on the install
-    _pack_command = None
+    _pack_command = None  # type: ignore[assignment]
 
 __all__ = ["RedisLeaseStore"]
 
