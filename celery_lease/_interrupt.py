@@ -66,6 +66,17 @@ class LeaseInterrupt(LeaseLostError):
     """
 
 
+def eventlet_patched() -> bool:
+    """Whether eventlet monkey-patched this process (the eventlet pool, which we refuse).
+
+    Under eventlet every green thread runs in the main thread, so neither a signal nor an
+    asynchronous exception would reach the right task body.
+    """
+    patcher = sys.modules.get("eventlet.patcher")
+    is_patched = getattr(patcher, "is_monkey_patched", None)
+    return bool(is_patched is not None and is_patched("thread"))
+
+
 def _gevent_current() -> Any:
     gevent = sys.modules.get("gevent")
     monkey = sys.modules.get("gevent.monkey")

@@ -43,7 +43,7 @@ from ._errors import (
     LeaseStoreError,
     StaleFenceError,
 )
-from ._interrupt import Interrupter
+from ._interrupt import Interrupter, eventlet_patched
 from ._lease import Lease, Owner
 from ._ledger import decode, encode
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
@@ -513,6 +513,12 @@ class _Compiled:
     __slots__ = ("dedup", "identity", "pid", "resource", "settings", "store")
 
     def __init__(self, task: LeaseTask) -> None:
+        if eventlet_patched():
+            raise LeaseConfigError(
+                f"task {task.name!r}: celery_lease does not support the eventlet pool (a lost "
+                "lease could not be stopped in the right green thread); run the worker with "
+                "-P prefork, threads, solo or gevent"
+            )
         self.pid = os.getpid()
         self.settings = task.lease_settings
         self.store = get_store(task.app, self.settings)

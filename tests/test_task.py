@@ -169,6 +169,25 @@ class TestSettings:
 
 
 class TestEagerAndDirect:
+    def test_eventlet_pool_is_refused_before_any_claim(self, app, monkeypatch):
+        """Under eventlet a lost lease could not be stopped: fail clearly, claim nothing."""
+        import sys
+        import types
+
+        patcher = types.ModuleType("eventlet.patcher")
+        patcher.is_monkey_patched = lambda name: name == "thread"  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "eventlet.patcher", patcher)
+
+        @lease_task(app=app, resource="inv:{n}")
+        def task(n):
+            pass
+
+        with pytest.raises(LeaseConfigError, match="eventlet"):
+            task.apply((9,)).get()
+        assert get_store(app).get("inv:9") is None
+        monkeypatch.delitem(sys.modules, "eventlet.patcher")
+        task.apply((9,)).get()  # the same task runs once eventlet is gone
+
     def test_eager_run_claims_a_real_lease_and_releases_it(self, app):
         """apply() holds a real lease visible in the store, released afterwards."""
         seen = {}

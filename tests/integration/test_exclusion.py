@@ -14,7 +14,7 @@ TASKS = 50
 RESOURCES = 5
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo", "gevent"])
 @pytest.mark.parametrize("kind", ["redis", "postgres", "sqlite"])
 def test_no_two_bodies_share_a_resource(it_app, start_worker, store_env, events, queue, pool, kind):
     """50 tasks over 5 resources on 2 workers x 2: the enter/exit log never overlaps."""

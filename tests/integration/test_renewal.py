@@ -51,7 +51,7 @@ def _port(url: str) -> int:
 
 
 class TestHealthyRenewal:
-    @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+    @pytest.mark.parametrize("pool", ["prefork", "threads", "solo", "gevent"])
     def test_slow_call_keeps_its_lease_and_fence(
         self, it_app, start_worker, store_env, events, queue, pool
     ):
@@ -100,15 +100,20 @@ class TestHealthyRenewal:
 
 
 class TestBlockedRenewal:
-    @pytest.mark.parametrize("kind", ["redis", "postgres"])
+    @pytest.mark.parametrize(
+        ("kind", "pool"), [("redis", "prefork"), ("postgres", "prefork"), ("redis", "gevent")]
+    )
     def test_blackholed_store_self_fences_before_the_lease_expires(
-        self, it_app, start_worker, store_env, events, queue, kind
+        self, it_app, start_worker, store_env, events, queue, kind, pool
     ):
-        """Renewals blackholed: interrupted after the self-fence deadline, before expiry."""
+        """Renewals blackholed: interrupted after the self-fence deadline, before expiry.
+
+        prefork: the body is stopped by SIGUSR1; gevent: its greenlet is killed.
+        """
         base = store_env(kind)
         with TcpProxy(_port(base["CL_STORE"])) as proxy:
             env = {**base, "CL_STORE": proxy.url_for(base["CL_STORE"]), "CL_TTL": str(TTL)}
-            start_worker(env, queue=queue)
+            start_worker(env, queue=queue, pool=pool)
             direct = worker_store(base)  # the test's view of the store, not through the proxy
             try:
                 result = it_app.slow_call.apply_async((0, SLOW), queue=queue)
@@ -127,8 +132,8 @@ class TestBlockedRenewal:
         expires_at = record.expires_at.timestamp()
         after = stop["t"] - blackholed_at
         print(
-            f"store={kind}: interrupted {after:.3f}s after the blackhole; lease expiry in the "
-            f"store {expires_at - blackholed_at:.3f}s after it; RETRY recorded "
+            f"store={kind} pool={pool}: interrupted {after:.3f}s after the blackhole; lease "
+            f"expiry in the store {expires_at - blackholed_at:.3f}s after it; RETRY recorded "
             f"{'during' if retried_in_partition else 'only after'} the partition"
         )
         check_stopped_in_time(stop["t"], expires_at, f"{kind} blackhole")
