@@ -5,6 +5,9 @@
   with LeaseLostError(reason="max_runtime"); the next waiter gets the resource by cap + ttl.
 * ``no_retries`` (max_retries=0) waits for a resource the test holds for ~2 s: busy waits are
   re-queued on their own budget, so it still ends SUCCESS once the test releases.
+* ``user_retry`` calls ``self.retry()``: the lease goes with the retry, so the re-run claims at
+  once with a newer fence instead of waiting on its own lock (celery-once PR #37); the negative
+  control defeats the release and sees the re-run wait.
 """
 
 from __future__ import annotations
@@ -97,3 +100,42 @@ def test_busy_waits_do_not_use_the_retry_budget(it_app, start_worker, store_env,
     assert {e["exc"] for e in retries} == {"LeaseBusyError"}
     assert len(retries) > 1  # more re-queues than max_retries=0 would ever allow
     assert not events.where(ev="failure")
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+def test_a_user_retry_frees_the_resource_for_its_own_next_run(
+    it_app, start_worker, store_env, events, queue, kind
+):
+    """self.retry() inside the body: released with the retry, re-run at once, newer fence."""
+    env = {**store_env(kind), "CL_TTL": "3"}
+    start_worker(env, queue=queue)
+    result = it_app.user_retry.apply_async((0,), queue=queue)
+    fence = result.get(timeout=30)
+    store = worker_store(env)
+    try:
+        assert store.get("uretry-0") is None  # nothing left behind
+    finally:
+        store.close()
+    starts = events.where(ev="start", res=0, task=result.id)
+    retries = events.where(ev="retry", task=result.id)
+    print(f"store={kind}: runs {[(e['retries'], e['fence']) for e in starts]}, retries {retries}")
+    assert [e["retries"] for e in starts] == [0, 1]
+    assert fence == starts[1]["fence"] > starts[0]["fence"]
+    # The earlier attempt ended without completing: the re-run knows (and may reconcile).
+    assert starts[1]["previous_fence"] == starts[0]["fence"]
+    assert [e["exc"] for e in retries] == ["Retry"]  # the user's own; no busy wait on itself
+    assert not events.where(ev="failure")
+
+
+def test_negative_control_a_lease_left_behind_on_retry_is_caught(
+    it_app, start_worker, store_env, events, queue
+):
+    """With the release defeated, the same checks see the re-run wait on its own lease."""
+    env = {**store_env("redis"), "CL_TTL": "1"}
+    start_worker(env, queue=queue)
+    result = it_app.user_retry.apply_async((1,), {"leak": True}, queue=queue)
+    result.get(timeout=30)  # completes once the leaked lease expires
+    retries = events.where(ev="retry", task=result.id)
+    assert "LeaseBusyError" in [e["exc"] for e in retries], retries
+    with pytest.raises(AssertionError):
+        assert [e["exc"] for e in retries] == ["Retry"]

@@ -20,6 +20,7 @@ from celery import Celery, signals
 from celery_lease import (
     FenceGate,
     LeaseLostError,
+    Owner,
     StaleFenceError,
     current_lease,
     lease_task,
@@ -256,6 +257,30 @@ def crash_once(self: Any, n: int) -> dict[str, Any]:
 def no_retries(self: Any, n: int) -> int:
     """max_retries=0: busy waits must not use up the user's retry budget."""
     return current_lease().fence
+
+
+@lease_task(app=app, resource="uretry-{n}", bind=True, max_retries=2)
+def user_retry(self: Any, n: int, leak: bool = False) -> int:
+    """Calls ``self.retry()`` on its first run: the retry must find the resource free.
+
+    ``leak`` (a negative control) swaps the lease's owner token before retrying, so the release
+    in the task's finally no longer matches and the lease stays behind until its ttl runs out:
+    the lock-left-behind-on-retry bug of celery-once (PR #37).
+    """
+    lease = current_lease()
+    report(
+        "start",
+        res=n,
+        fence=lease.fence,
+        task=self.request.id,
+        retries=self.request.retries,
+        previous_fence=lease.previous_fence,
+    )
+    if self.request.retries == 0:
+        if leak:
+            lease.owner = Owner.new("leaked")
+        raise self.retry(countdown=0.1)
+    return lease.fence
 
 
 @lease_task(app=app, resource="threads-{n}", bind=True)
