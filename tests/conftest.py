@@ -21,7 +21,7 @@ from celery_lease.stores import MemoryLeaseStore, store_from_url
 from celery_lease.stores.base import BaseLeaseStore
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-STORE_KINDS = ("memory", "redis", "sqlite", "postgres")
+STORE_KINDS = ("memory", "redis", "redis_cluster", "sqlite", "postgres")
 _counter = itertools.count()
 
 
@@ -66,6 +66,19 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A 3-master Redis Cluster on loopback, started here (the hash-tagged key layout's test)."""
+    from tests.tooling.servers import RedisClusterServers
+
+    try:
+        servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"))
+    except FileNotFoundError as exc:
+        missing(str(exc))
+    with servers:
+        yield servers
+
+
 def unique(prefix: str = "t") -> str:
     """A name no other test uses: keeps tests independent on shared servers."""
     return f"{prefix}{os.getpid():x}{next(_counter):x}{uuid.uuid4().hex[:6]}"
@@ -84,6 +97,9 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any, **optio
     if kind == "redis":
         server = request.getfixturevalue("redis_server")
         return store_from_url(server.url, key_prefix=f"{unique('cl')}:", **options)
+    if kind == "redis_cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        return store_from_url(cluster.url, cluster=True, key_prefix=f"{unique('cl')}:", **options)
     if kind == "sqlite":
         return store_from_url(f"sqlite:///{tmp_path}/leases.db", **options)
     if kind == "postgres":

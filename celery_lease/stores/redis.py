@@ -43,6 +43,7 @@ from .urls import mask_url
 
 try:
     import redis
+    import redis.cluster
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -56,6 +57,10 @@ except ImportError:  # pragma: no cover - depends on the install
     _pack_command = None  # type: ignore[assignment]
 
 __all__ = ["RedisLeaseStore"]
+
+# redis-py's cluster client raises RedisClusterException (not a RedisError) for, e.g., slots
+# no node serves.
+_DRIVER_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 _KEY_KINDS = ("leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
 
@@ -74,7 +79,7 @@ class _Translate:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.shield.__exit__()
-        if exc is not None and isinstance(exc, redis.RedisError):
+        if exc is not None and isinstance(exc, _DRIVER_ERRORS):
             what = self.what % self.subject if self.subject is not None else self.what
             raise LeaseStoreError(
                 f"Redis lease store {self.url} failed during {what}: "
@@ -100,9 +105,7 @@ class _Script:
         try:
             return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            self.sha = self.connections.execute("SCRIPT", "LOAD", self.source)
-            if isinstance(self.sha, bytes):
-                self.sha = self.sha.decode()
+            self.sha = self.connections.load_script(self.source)
             return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
@@ -147,6 +150,14 @@ class _Connections:
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def load_script(self, source: str) -> str:
+        """Load a script (on every primary of a cluster); returns its SHA1."""
+        if self.pool is None:
+            sha = self.client.script_load(source)  # the client routes it to every primary
+        else:
+            sha = self.execute("SCRIPT", "LOAD", source)
+        return sha.decode() if isinstance(sha, bytes) else str(sha)
+
     def _held(self) -> Any:
         conn = getattr(self.local, "conn", None)
         if conn is None or self.local.pid != os.getpid():
@@ -179,11 +190,15 @@ def _text(value: Any) -> str:
 
 
 class RedisLeaseStore(BaseLeaseStore):
-    """Leases in Redis (standalone server; the key layout is also Redis Cluster ready).
+    """Leases in Redis: a standalone server, or a Redis Cluster with ``cluster=True``.
 
     Args:
-        client: a ``redis.Redis`` to use (not closed by :meth:`close`); or give ``url``.
+        client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` to use (not closed by
+            :meth:`close`); or give ``url``.
         url: ``redis://``, ``rediss://`` or ``unix://`` URL; the store creates and owns a client.
+        cluster: with ``url``, connect to a Redis Cluster (any node's address; the client
+            discovers the rest). Every script touches the keys of one shard, which share a hash
+            tag and so a slot; batched renewals and ``list()`` make one call per shard.
         key_prefix: prefix of every key, default ``celery_lease:``; the store adds a hash tag.
         shards: how many hash-tagged key groups resources spread over (Cluster slots); each
             ``list()`` touches all of them.
@@ -197,7 +212,7 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def __init__(
         self,
-        client: redis.Redis | None = None,
+        client: redis.Redis | redis.cluster.RedisCluster | None = None,
         *,
         url: str | None = None,
         key_prefix: str = "celery_lease:",
@@ -207,6 +222,7 @@ class RedisLeaseStore(BaseLeaseStore):
         socket_timeout: float = 5.0,
         require_noeviction: bool = False,
         require_persistence: bool = False,
+        cluster: bool = False,
     ) -> None:
         super().__init__(max_ttl=max_ttl, retention=retention)
         if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
@@ -218,29 +234,48 @@ class RedisLeaseStore(BaseLeaseStore):
             raise LeaseConfigError(f"shards must be an integer 1..1024, got {shards!r}")
         if (client is None) == (url is None):
             raise LeaseConfigError("RedisLeaseStore needs exactly one of client= or url=")
+        if not isinstance(cluster, bool):
+            raise LeaseConfigError(f"cluster must be True or False, got {show_value(cluster)}")
         self._owns_client = client is None
         if client is None:
             assert url is not None
             try:
-                client = redis.Redis.from_url(
-                    url,
-                    socket_timeout=socket_timeout,
-                    socket_connect_timeout=socket_timeout,
-                    # One immediate reconnect covers a connection the server dropped; more
-                    # retries would stall renewal past the self-fence deadline.
-                    retry=Retry(NoBackoff(), 1),
-                )
+                if cluster:
+                    client = redis.cluster.RedisCluster.from_url(
+                        url,
+                        socket_timeout=socket_timeout,
+                        socket_connect_timeout=socket_timeout,
+                    )
+                else:
+                    client = redis.Redis.from_url(
+                        url,
+                        socket_timeout=socket_timeout,
+                        socket_connect_timeout=socket_timeout,
+                        # One immediate reconnect covers a connection the server dropped; more
+                        # retries would stall renewal past the self-fence deadline.
+                        retry=Retry(NoBackoff(), 1),
+                    )
             except ValueError as exc:
                 raise LeaseConfigError(
                     f"bad Redis URL {mask_url(url)}: {exc}; expected redis://host:port/db, "
                     "rediss://... or unix:///path/to/socket"
                 ) from None
+            except _DRIVER_ERRORS as exc:  # a cluster client asks its nodes for the slot map
+                raise LeaseStoreError(
+                    f"could not reach the Redis cluster at {mask_url(url)}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             self.url = mask_url(url)
+        elif isinstance(client, redis.cluster.RedisCluster):
+            node = client.get_default_node()  # type: ignore[no-untyped-call]
+            self.url = f"redis://{node.host}:{node.port}/0 (cluster)"
         else:
             kwargs = client.connection_pool.connection_kwargs
             where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
             self.url = f"redis://{where}/{kwargs.get('db', 0)}"
-        self.client = client
+        #: True for a Redis Cluster client: a call may only touch one shard's keys.
+        self.cluster = isinstance(client, redis.cluster.RedisCluster)
+        self.client: Any = client
         self.key_prefix = key_prefix
         self.shards = shards
         self.require_noeviction = require_noeviction
@@ -396,15 +431,28 @@ class RedisLeaseStore(BaseLeaseStore):
     def _renew_call(
         self, leases: Sequence[Lease], ttls: Sequence[float], what: str
     ) -> tuple[float, list[Any]]:
-        keys: list[str] = []
-        args: list[Any] = []
-        for lease, ttl in zip(leases, ttls, strict=True):
-            keys += self._keys(self.shard_of(lease.resource), "leases", "expiry", "fences")
-            args += [lease.resource, lease.owner.token, str(lease.fence), round(ttl * 1e6)]
-        sent = monotonic()
-        with self._run(what):
-            reply = self._renew(keys=keys, args=args)
-        return sent, list(reply[1:])
+        """One call for all leases; on a cluster, one call per shard (a slot each).
+
+        Returns the monotonic time the (first) call was sent and one reply item per lease.
+        """
+        groups: dict[int, list[int]] = {}
+        for i, lease in enumerate(leases):
+            shard = self.shard_of(lease.resource) if self.cluster else 0
+            groups.setdefault(shard, []).append(i)
+        items: list[Any] = [None] * len(leases)
+        sent = monotonic()  # the earliest send time: the self-fence deadline stays conservative
+        for indexes in groups.values():
+            keys: list[str] = []
+            args: list[Any] = []
+            for i in indexes:
+                lease, ttl = leases[i], ttls[i]
+                keys += self._keys(self.shard_of(lease.resource), "leases", "expiry", "fences")
+                args += [lease.resource, lease.owner.token, str(lease.fence), round(ttl * 1e6)]
+            with self._run(what):
+                reply = self._renew(keys=keys, args=args)
+            for i, item in zip(indexes, reply[1:], strict=True):
+                items[i] = item
+        return sent, items
 
     def _lost_from(self, lease: Lease, item: Sequence[Any]) -> LeaseLostError:
         reason = _text(item[1])
@@ -539,9 +587,6 @@ class RedisLeaseStore(BaseLeaseStore):
     ) -> LeasePage:
         limit = self._list_args(prefix, limit)
         after = decode_cursor(cursor)
-        keys: list[str] = []
-        for shard in range(self.shards):
-            keys += self._keys(shard, "leases", "expiry")
         args = [
             "1" if expired_only else "0",
             "" if after is None else str(after[0]),
@@ -549,17 +594,30 @@ class RedisLeaseStore(BaseLeaseStore):
             prefix,
             limit,
         ]
-        with self._run("list"):
-            reply = self._list(keys=keys, args=args)
-        now, more = int(reply[0]), int(reply[1])
-        infos: list[LeaseInfo] = []
+        # One call over every shard; on a cluster one per shard (a slot each), merged below.
+        calls = [range(self.shards)] if not self.cluster else [[s] for s in range(self.shards)]
+        now = 0
+        more = False
+        found: list[tuple[int, str, Any]] = []  # (expires_us, resource, record)
+        for shards in calls:
+            keys: list[str] = []
+            for shard in shards:
+                keys += self._keys(shard, "leases", "expiry")
+            with self._run("list"):
+                reply = self._list(keys=keys, args=args)
+            now = max(now, int(reply[0]))
+            more = more or bool(int(reply[1]))
+            for i in range(2, len(reply), 2):
+                if reply[i + 1]:  # an index entry whose record is gone (a racing release)
+                    found.append((self._parse(reply[i + 1])[3], _text(reply[i]), reply[i + 1]))
+        if len(calls) > 1:  # merge the shards' pages in (expiry, resource) order
+            found.sort(key=lambda entry: (entry[0], entry[1]))
+            more = more or len(found) > limit
+            found = found[:limit]
+        infos = [self._info(resource, record, now) for _, resource, record in found]
         next_cursor = None
-        for i in range(2, len(reply), 2):
-            if reply[i + 1]:  # an index entry whose record is gone (a racing release) is skipped
-                resource = _text(reply[i])
-                infos.append(self._info(resource, reply[i + 1], now))
-                if more:
-                    next_cursor = encode_cursor(self._parse(reply[i + 1])[3], resource)
+        if more and found:
+            next_cursor = encode_cursor(found[-1][0], found[-1][1])
         return LeasePage(infos, next_cursor)
 
     def force_release(self, resource: str) -> LeaseInfo | None:
@@ -597,22 +655,35 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def check_health(self) -> builtins.list[str]:
         warnings: builtins.list[str] = []
+        # Every primary of a cluster holds some shards: each must be safe.
+        nodes: builtins.list[Any] = self.client.get_primaries() if self.cluster else [None]
         with self._run("health check"):
-            self.client.ping()
-            try:
-                config: dict[Any, Any] = {}
-                for name in ("maxmemory-policy", "appendonly", "save"):
-                    config.update(self.client.config_get(name))
-            except redis.ResponseError as exc:  # CONFIG is often disabled on managed Redis
-                return [
-                    f"could not read the Redis configuration ({exc}); make sure "
-                    "maxmemory-policy is noeviction and AOF persistence is on"
-                ]
-        config = {_text(k): _text(v) for k, v in config.items()}
+            self.client.ping()  # reachable, even where CONFIG is refused
+        for node in nodes:
+            where = self.url if node is None else f"redis://{node.host}:{node.port} (cluster)"
+            with self._run("health check"):
+                try:
+                    config: dict[Any, Any] = {}
+                    for name in ("maxmemory-policy", "appendonly", "save"):
+                        if node is None:
+                            config.update(self.client.config_get(name))
+                        else:
+                            config.update(self.client.config_get(name, target_nodes=node))
+                except redis.ResponseError as exc:  # CONFIG is often disabled on managed Redis
+                    warnings.append(
+                        f"could not read the Redis configuration at {where} ({exc}); make "
+                        "sure maxmemory-policy is noeviction and AOF persistence is on"
+                    )
+                    continue
+            warnings += self._check_config({_text(k): _text(v) for k, v in config.items()}, where)
+        return warnings
+
+    def _check_config(self, config: dict[str, str], where: str) -> builtins.list[str]:
+        warnings: builtins.list[str] = []
         policy = config.get("maxmemory-policy", "")
         if policy != "noeviction":
             message = (
-                f"Redis at {self.url} has maxmemory-policy={policy!r}: under memory pressure it "
+                f"Redis at {where} has maxmemory-policy={policy!r}: under memory pressure it "
                 "can silently evict lease keys and let two owners in; set noeviction"
             )
             if self.require_noeviction:
@@ -620,7 +691,7 @@ class RedisLeaseStore(BaseLeaseStore):
             warnings.append(message)
         if config.get("appendonly") != "yes":
             message = (
-                f"Redis at {self.url} has appendonly={config.get('appendonly')!r} and "
+                f"Redis at {where} has appendonly={config.get('appendonly')!r} and "
                 f"save={config.get('save')!r}: a restart can lose live leases (fences stay "
                 "increasing, floored at the server clock); enable AOF (appendonly yes)"
             )

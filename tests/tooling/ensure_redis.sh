@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs redis-server from Debian's packages when it is missing (a fresh machine has none).
+# Installs redis-server (and redis-cli, which builds the test cluster) from Debian's packages
+# when missing (a fresh machine has neither).
 set -euo pipefail
-if command -v redis-server >/dev/null 2>&1; then
+if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
   exit 0
 fi
 if [ "$(id -u)" != "0" ]; then
@@ -11,6 +12,7 @@ fi
 echo "installing redis-server with apt-get ..." >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq >/dev/null
-apt-get install -y -qq redis-server >/dev/null
+apt-get install -y -qq redis-server redis-tools >/dev/null
 # the package may try to start a system service on 6379; the tests never use it
 command -v redis-server >/dev/null
+command -v redis-cli >/dev/null

@@ -111,6 +111,7 @@ class RedisServer:
         appendfsync: str = "everysec",
         maxmemory_policy: str = "noeviction",
         maxmemory: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
@@ -123,6 +124,7 @@ class RedisServer:
         self.appendfsync = appendfsync
         self.maxmemory_policy = maxmemory_policy
         self.maxmemory = maxmemory
+        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -155,6 +157,7 @@ class RedisServer:
         ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
+        args += self.extra_args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self._ready, 20, f"redis-server on port {self.port}")
         return self
@@ -315,6 +318,100 @@ class PostgresServer:
 
     def __enter__(self) -> PostgresServer:
         return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535 and not _port_open(port + 10000):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``masters`` nodes (no replicas) on 127.0.0.1, in a temporary directory.
+
+    Each node is a :class:`RedisServer` with cluster mode on (AOF on); ``redis-cli --cluster
+    create`` assigns the 16384 slots. ``url`` is the first node's (a cluster client discovers the
+    rest).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, masters: int = 3):
+        self.cli = shutil.which("redis-cli")
+        if self.cli is None:
+            raise FileNotFoundError("redis-cli is not installed (apt-get install redis-tools)")
+        self._tmp = None if directory else tempfile.mkdtemp(prefix="celery-lease-cluster-")
+        self.dir = Path(directory or self._tmp or "")
+        self.nodes = [
+            RedisServer(
+                self.dir / f"node{i}",
+                port=free_cluster_port(),
+                appendonly=True,
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(self.dir / f"node{i}" / "nodes.conf"),
+                    "--cluster-node-timeout",
+                    "5000",
+                ),
+            )
+            for i in range(masters)
+        ]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisClusterServers:
+        for node in self.nodes:
+            node.start()
+        _run_checked(
+            [
+                self.cli or "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ]
+        )
+        wait_for(self._ok, 30, "the Redis cluster to be ok on every node")
+        return self
+
+    def _ok(self) -> bool:
+        for node in self.nodes:
+            done = subprocess.run(
+                [self.cli or "redis-cli", "-p", str(node.port), "cluster", "info"],
+                check=False,
+                capture_output=True,
+                text=True,
+            )
+            if "cluster_state:ok" not in done.stdout:
+                return False
+        return True
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterServers:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
