@@ -632,6 +632,10 @@ def lease_task(
             "lease_task needs resource=, e.g. @lease_task(resource='invoice:{invoice_id}')"
         )
     LeaseSettings.resolve(None, {name: attrs.get(f"lease_{name}") for name in SETTING_NAMES})
+    if app is not None:
+        # Now, at import: a worker parses its command line (the --lease-* options) before the
+        # app is finalized and its tasks are bound.
+        install(app)
     register = app.task if app is not None else shared_task
     decorator = register(base=base, **attrs, **options)
     if len(args) == 1 and callable(args[0]) and not options:

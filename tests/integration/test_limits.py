@@ -139,3 +139,27 @@ def test_negative_control_a_lease_left_behind_on_retry_is_caught(
     assert "LeaseBusyError" in [e["exc"] for e in retries], retries
     with pytest.raises(AssertionError):
         assert [e["exc"] for e in retries] == ["Retry"]
+
+
+def test_worker_command_line_options_set_the_lease_defaults(
+    it_app, start_worker, store_env, events, queue, tmp_path
+):
+    """--lease-store-url, --lease-ttl and --lease-max-runtime override the app's settings."""
+    redis_env = store_env("redis")
+    # The app's own settings point elsewhere: a SQLite file and a 1 s ttl.
+    env = {**redis_env, "CL_STORE": f"sqlite:///{tmp_path}/other.db", "CL_TTL": "1"}
+    worker = start_worker(
+        env,
+        queue=queue,
+        extra_args=(
+            f"--lease-store-url={redis_env['CL_STORE']}",
+            "--lease-ttl=7.5",
+            "--lease-max-runtime=120",
+        ),
+    )
+    seen = it_app.lease_settings_seen.apply_async((0,), queue=queue).get(timeout=30)
+    print(f"seen by the task: {seen}")
+    assert seen["ttl"] == 7.5
+    assert seen["max_runtime"] == 120.0
+    assert seen["store"].startswith("redis://") and seen["store"].endswith("/1"), seen
+    assert "ready (ttl 7.5s)" in worker.log()

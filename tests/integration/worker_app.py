@@ -283,6 +283,19 @@ def user_retry(self: Any, n: int, leak: bool = False) -> int:
     return lease.fence
 
 
+@lease_task(app=app, resource="settings-{n}", bind=True)
+def lease_settings_seen(self: Any, n: int) -> dict[str, Any]:
+    """What the running execution got: its lease's ttl and store, and the resolved cap."""
+    lease = current_lease()
+    assert lease.store is not None
+    return {
+        "ttl": lease.ttl,
+        "store": lease.store.url,
+        "max_runtime": self.lease_settings.max_runtime,
+        "fence": lease.fence,
+    }
+
+
 @lease_task(app=app, resource="threads-{n}", bind=True)
 def count_renewers(self: Any, n: int, hold: float) -> int:
     """Holds a lease while others run; reports the renewal threads in this process."""
