@@ -1,0 +1,51 @@
+"""The lease counters as Prometheus exposes them (the collector reads METRICS on scrape)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from celery import Celery
+
+from celery_lease import LeaseBusyError, Owner, lease_task
+from celery_lease._app import get_store
+from celery_lease._events import register_prometheus
+from tests.conftest import unique
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+def scrape(name: str) -> float:
+    text = prometheus_client.generate_latest().decode()
+    match = re.search(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE)
+    assert match, f"{name} is not exposed:\n{text}"
+    return float(match.group(1))
+
+
+def test_claims_releases_and_conflicts_are_scraped(tmp_path):
+    app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+    app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+
+    @lease_task(app=app, resource="inv:{n}")
+    def task(n):
+        return n
+
+    assert register_prometheus()  # idempotent: the first lease app registered it already
+    before = {
+        name: scrape(name)
+        for name in (
+            "celery_lease_claims_total",
+            "celery_lease_releases_total",
+            "celery_lease_claim_conflicts_total",
+        )
+    }
+    for n in range(3):
+        task.apply((n,)).get()
+    held = get_store(app).acquire("inv:9", Owner.new("other"), 30)
+    assert isinstance(task.apply((9,)).result, LeaseBusyError)
+    get_store(app).release(held)
+    assert scrape("celery_lease_claims_total") == before["celery_lease_claims_total"] + 3
+    assert scrape("celery_lease_releases_total") == before["celery_lease_releases_total"] + 3
+    conflicts = scrape("celery_lease_claim_conflicts_total")
+    assert conflicts == before["celery_lease_claim_conflicts_total"] + 1
+    assert scrape("celery_lease_hold_seconds_total") > 0
