@@ -163,3 +163,25 @@ def test_worker_command_line_options_set_the_lease_defaults(
     assert seen["max_runtime"] == 120.0
     assert seen["store"].startswith("redis://") and seen["store"].endswith("/1"), seen
     assert "ready (ttl 7.5s)" in worker.log()
+
+
+def test_on_busy_fail_and_skip(it_app, start_worker, store_env, events, queue):
+    """on_busy="fail": FAILURE naming the holder; "skip": dropped, logged, the body never ran."""
+    env = {**store_env("redis"), "CL_TTL": str(TTL)}
+    worker = start_worker(env, queue=queue)
+    store = worker_store(env)
+    holder = store.acquire("onbusy-0", Owner.new("test-holder"), 30)
+    try:
+        failed = it_app.busy_fails.apply_async((0,), queue=queue)
+        with pytest.raises(LeaseBusyError, match="test-holder"):
+            failed.get(timeout=30)
+        skipped = it_app.busy_skips.apply_async((0,), queue=queue)
+        wait_for(lambda: f"{skipped.id}] skipped" in worker.log(), 30, "the skip to be logged")
+    finally:
+        store.release(holder)
+        store.close()
+    assert failed.state == "FAILURE"
+    assert events.where(ev="failure", task=failed.id)[0]["exc"] == "LeaseBusyError"
+    assert skipped.state == "PENDING"  # Ignore stores no state
+    assert not events.where(ev="enter", res=0)  # neither body ran
+    assert not events.where(ev="retry")  # and neither waited

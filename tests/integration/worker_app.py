@@ -283,6 +283,20 @@ def user_retry(self: Any, n: int, leak: bool = False) -> int:
     return lease.fence
 
 
+@lease_task(app=app, resource="onbusy-{n}", bind=True, on_busy="fail")
+def busy_fails(self: Any, n: int) -> int:
+    """on_busy="fail": a busy resource fails the task at once."""
+    report("enter", res=n, task=self.request.id)
+    return current_lease().fence
+
+
+@lease_task(app=app, resource="onbusy-{n}", bind=True, on_busy="skip")
+def busy_skips(self: Any, n: int) -> int:
+    """on_busy="skip": a busy resource drops the execution (Ignore)."""
+    report("enter", res=n, task=self.request.id)
+    return current_lease().fence
+
+
 @lease_task(app=app, resource="settings-{n}", bind=True)
 def lease_settings_seen(self: Any, n: int) -> dict[str, Any]:
     """What the running execution got: its lease's ttl and store, and the resolved cap."""
