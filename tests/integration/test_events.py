@@ -2,8 +2,8 @@
 
 A receiver on the broker's event exchange (what Flower runs) collects every event. A busy
 resource gives ``task-lease-busy`` (who holds it, its fence, the wait); a take-over of an expired
-lease gives ``task-lease-recovered`` (the previous owner and fence). Without ``-E`` the same busy
-wait sends nothing.
+lease gives ``task-lease-recovered`` (the previous owner and fence); a lease lost mid-body
+gives ``task-lease-lost``. Without ``-E`` the same busy wait sends nothing.
 """
 
 from __future__ import annotations
@@ -96,6 +96,30 @@ def test_busy_and_recovered_leases_are_visible_as_events(
     assert recovered["previous_owner"] == "crashed-owner"
     assert recovered["previous_fence"] == crashed.fence
     assert recovered["fence"] == fence > crashed.fence
+
+
+def test_a_lease_lost_mid_body_is_visible_as_an_event(
+    it_app, start_worker, store_env, events, queue
+):
+    """An admin force-releases a running task's lease: task-lease-lost names it and why."""
+    env = {**store_env("redis"), "CL_TTL": "1"}
+    start_worker(env, queue=queue, extra_args=("-E",))
+    store = worker_store(env)
+    try:
+        with EventLog(it_app.app) as log:
+            result = it_app.slow_call.apply_async((2, 2.0), queue=queue)
+            start = events.wait(ev="start", res=2)
+            assert store.force_release("slow-2") is not None
+            lost = wait_for(
+                lambda: log.where("task-lease-lost", resource="slow-2"), 30, "a lost event"
+            )[0]
+            outcome = result.get(timeout=30)  # re-run under a newer lease
+    finally:
+        store.close()
+    print(f"lost event: {lost}")
+    assert lost["uuid"] == result.id and lost["fence"] == start["fence"]
+    assert lost["reason"] in ("released", "taken_over"), lost
+    assert outcome["fence"] > start["fence"]
 
 
 def test_no_events_without_task_events_on(it_app, start_worker, store_env, events, queue):
