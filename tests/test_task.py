@@ -217,6 +217,25 @@ class TestEagerAndDirect:
         assert "someone-else" in str(result.result)
         store.release(held)
 
+    def test_task_always_eager_claims_and_fails_fast_when_busy(self, app):
+        """With task_always_eager, delay() runs in place under a real lease, never spinning."""
+        app.conf.task_always_eager = True
+        app.conf.task_eager_propagates = True
+
+        @lease_task(app=app, resource="inv:{n}")
+        def task(n):
+            return current_lease().fence
+
+        assert task.delay(3).get() > 0
+        store = get_store(app)
+        held = store.acquire("inv:3", Owner.new("someone-else"), 30)
+        try:
+            with pytest.raises(LeaseBusyError, match="someone-else"):
+                task.delay(3)
+        finally:
+            store.release(held)
+        assert store.get("inv:3") is None
+
     def test_direct_call_claims_like_any_execution(self, app):
         """task(...) holds a lease unless allow_direct_call is set."""
 
