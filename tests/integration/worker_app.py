@@ -9,7 +9,9 @@ gives a total order of enter/exit events across processes), readiness flags and 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -295,6 +297,47 @@ def busy_skips(self: Any, n: int) -> int:
     """on_busy="skip": a busy resource drops the execution (Ignore)."""
     report("enter", res=n, task=self.request.id)
     return current_lease().fence
+
+
+@lease_task(app=app, resource="hog-{n}", bind=True, lost_max_retries=0)
+def gil_hog(self: Any, n: int, seconds: float, check: bool = True, gated: bool = True) -> int:
+    """Holds the GIL in one C call for about ``seconds`` (heartbeat starvation), then commits.
+
+    The call is a backtracking regular expression: the interpreter cannot switch threads or run
+    a signal handler inside it, so the renewal thread is starved and an interrupt cannot land.
+    Then the body calls ``lease.check()`` and commits through the fence gate. ``check=False``
+    plays a body that never stops by itself (it swallows the loss interrupt, as code stuck in a
+    call an interrupt cannot break would), leaving the gate as the only protection;
+    ``gated=False`` also drops the gate (the negative control).
+    """
+    lease = current_lease()
+    report("start", res=n, fence=lease.fence, task=self.request.id)
+    began = time.perf_counter()
+    re.fullmatch(r"(a+)+b", "a" * 18)
+    base = max(time.perf_counter() - began, 1e-6)  # doubles with every extra "a"
+    size = min(34, 18 + max(0, math.ceil(math.log2(seconds / base))))
+    re.fullmatch(r"(a+)+b", "a" * size)
+
+    def commit() -> None:
+        if check:
+            lease.check()
+        if gated:
+            gate().admit(f"hog-{n}", lease.fence)
+        report("write", res=n, fence=lease.fence)
+
+    if check:
+        commit()
+    else:
+        while True:  # swallow the loss interrupt wherever it lands
+            try:
+                commit()
+                break
+            except StaleFenceError:
+                report("refused", res=n, fence=lease.fence)
+                raise
+            except LeaseLostError:
+                continue
+    return lease.fence
 
 
 @lease_task(app=app, resource="settings-{n}", bind=True)
