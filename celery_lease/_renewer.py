@@ -43,7 +43,16 @@ MIN_RETRY = 0.02
 class Hold:
     """One lease the renewer keeps alive until it is dropped or lost."""
 
-    __slots__ = ("done", "hard_deadline", "interval", "lease", "next_due", "on_lost", "store")
+    __slots__ = (
+        "done",
+        "hard_deadline",
+        "interval",
+        "lease",
+        "next_due",
+        "on_lost",
+        "retrying",
+        "store",
+    )
 
     def __init__(
         self,
@@ -60,6 +69,8 @@ class Hold:
         self.next_due = now + interval * (1 - random.uniform(0, JITTER))
         self.on_lost = on_lost
         self.done = False
+        #: The last renewal failed: retry at next_due itself, never earlier (see _due).
+        self.retrying = False
 
 
 class Renewer:
@@ -151,8 +162,12 @@ class Renewer:
         return min(min(h.next_due, h.lease.deadline, h.hard_deadline) for h in self._holds)
 
     def _due(self, now: float) -> list[Hold]:
-        # Coalesce: renew everything due within a third of its interval in this one call.
-        return [h for h in self._holds if h.next_due <= now + h.interval / 3]
+        # Coalesce: renew everything due within a third of its interval in this one call. A
+        # retry after a failure is due at its own time only: the window is wider than the
+        # retry gap, and would otherwise retry a failing store back to back.
+        return [
+            h for h in self._holds if h.next_due <= now + (0.0 if h.retrying else h.interval / 3)
+        ]
 
     def _declare_overdue(self, now: float) -> None:
         """Leases past their runtime cap or self-fence deadline are lost (under the lock)."""
@@ -209,6 +224,7 @@ class Renewer:
                     # Retry soon, until the self-fence deadline declares the lease lost.
                     gap = min(hold.interval / 4, max(hold.lease.remaining() / 3, MIN_RETRY))
                     hold.next_due = now + max(gap, MIN_RETRY)
+                    hold.retrying = True
                 self._declare_overdue(now)
                 return
             for hold, result in zip(holds, results, strict=True):
@@ -216,6 +232,7 @@ class Renewer:
                     continue
                 if result is None:
                     hold.next_due = now + hold.interval * (1 - random.uniform(0, JITTER))
+                    hold.retrying = False
                 else:
                     self._lose(hold, result)
 

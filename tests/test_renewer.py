@@ -90,6 +90,23 @@ class TestRenewer:
         assert at < lease.deadline + 0.2  # promptly after it
         assert lease.lost is not None
 
+    def test_failed_renewals_are_paced_not_a_hot_loop(self, store, renewer):
+        """A store that fails at once is retried every interval/4 or so, not back to back.
+
+        (The coalescing window that batches renewals due soon must not make a retry due again
+        at once: that spun on a down PostgreSQL, 176 calls in under 2 s, each logged.)
+        """
+        lost, on_lost = lost_recorder()
+        lease = store.acquire("r", Owner.new(), 6.0)
+        store.mode = "error"
+        renewer.hold(lease, interval=1.0, max_runtime=60, on_lost=on_lost)
+        store.calls.clear()
+        time.sleep(1.5)  # a window to count in, not a wait for an outcome
+        calls = len(store.calls)
+        print(f"{calls} renewal calls in 1.5 s against a failing store")
+        assert 2 <= calls <= 10  # about one per interval/4 = 0.25 s
+        assert not lost  # the deadline (4.5 s) is still ahead
+
     def test_a_hung_store_cannot_stall_the_watchdog(self, store, renewer):
         """The deadline fires while the store call still hangs (its I/O runs elsewhere)."""
         lost, on_lost = lost_recorder()
