@@ -242,7 +242,13 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
     def _held(self) -> _ThreadConnection:
         held: _ThreadConnection | None = getattr(self._local, "held", None)
         if held is None or held.pid != os.getpid():
-            held = _ThreadConnection(self.engine.raw_connection())
+            held = _ThreadConnection(
+                self.engine.raw_connection(),
+                # Closed for real when its thread ends or the store closes: put back into the
+                # pool, it could land in one that a reconnect disposed meanwhile, and leak.
+                # (Not the one shared connection of an in-memory SQLite database.)
+                detach=not isinstance(self.engine.pool, StaticPool),
+            )
             self._local.held = held
             self._all_held.add(held)
         return held
@@ -574,14 +580,15 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
 
 
 class _ThreadConnection:
-    """One thread's checked-out connection and cursor, returned to the pool when dropped."""
+    """One thread's checked-out connection and cursor, closed when dropped."""
 
-    __slots__ = ("__weakref__", "conn", "cursor", "pid")
+    __slots__ = ("__weakref__", "conn", "cursor", "detach", "pid")
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, *, detach: bool = True) -> None:
         self.conn = conn
         self.cursor = conn.cursor()
         self.pid = os.getpid()
+        self.detach = detach
 
     def drop(self, exc: BaseException) -> None:
         self.conn.invalidate(exc)
@@ -594,6 +601,8 @@ class _ThreadConnection:
         self.pid = -1
         try:
             self.cursor.close()
+            if self.detach:
+                self.conn.detach()  # so that close() closes the DBAPI connection itself
             self.conn.close()
         except Exception:  # closing a broken connection may fail; it is gone anyway
             log.debug("closing a lease store connection failed", exc_info=True)
