@@ -85,6 +85,7 @@ class Renewer:
         self._lost: list[tuple[Hold, LeaseLostError]] = []
         self._closing = False
         self._pid = os.getpid()
+        self._warmed: set[int] = set()  # id() of the stores whose I/O connection is open
         #: Renewal calls sent, failed and leases declared lost (for tests and metrics).
         self.calls = 0
         self.failures = 0
@@ -108,6 +109,14 @@ class Renewer:
                 self._thread.start()
             elif min(hold.next_due, hold.lease.deadline) < self._wake_at:
                 self._cond.notify()
+            warm = id(hold.store) not in self._warmed
+            if warm:
+                self._warmed.add(id(hold.store))
+                io = self._io_executor()
+        if warm and hold.store is not None:
+            # Open the I/O thread's connection now, not at the first renewal: on a slow link a
+            # handshake there could take the whole renew window.
+            io.submit(_warm_up, hold.store)
         return hold
 
     def drop(self, hold: Hold) -> None:
@@ -207,11 +216,12 @@ class Renewer:
     def _renew_batch(self, holds: list[Hold]) -> None:
         store = holds[0].store
         assert store is not None
-        if self._io is None:
-            self._io = ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME}-io")
+        with self._cond:
+            io = self._io_executor()
         self.calls += 1
         failpoints.hit("inside_renew")
-        future: Future[list[LeaseLostError | None]] = self._io.submit(
+        sent = time.monotonic()
+        future: Future[list[LeaseLostError | None]] = io.submit(
             store.renew_many, [h.lease for h in holds]
         )
         results = self._await(future, holds)
@@ -231,10 +241,20 @@ class Renewer:
                 if hold.done:
                     continue
                 if result is None:
-                    hold.next_due = now + hold.interval * (1 - random.uniform(0, JITTER))
+                    # Counted from when this renewal was sent, as its lease time is: counted
+                    # from the reply, a slow link (a round trip near ttl/3) would let the next
+                    # reply arrive after the self-fence deadline.
+                    hold.next_due = sent + hold.interval * (1 - random.uniform(0, JITTER))
                     hold.retrying = False
                 else:
                     self._lose(hold, result)
+
+    def _io_executor(self) -> ThreadPoolExecutor:
+        """The I/O thread's executor (call under the lock)."""
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME}-io")
+            self._warmed.clear()  # a new thread has no connections yet
+        return self._io
 
     def _await(
         self, future: Future[list[LeaseLostError | None]], holds: list[Hold]
@@ -271,9 +291,21 @@ class Renewer:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
-        if self._io is not None:
-            self._io.shutdown(wait=False, cancel_futures=True)
-            self._io = None
+        with self._cond:
+            io, self._io = self._io, None
+            self._warmed.clear()
+        if io is not None:
+            io.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_up(store: Any) -> None:
+    warm_up = getattr(store, "warm_up", None)
+    if warm_up is None:
+        return
+    try:
+        warm_up()
+    except Exception as exc:  # noqa: BLE001 - the first renewal retries and reports it
+        log.debug("warming up the renewal connection failed: %s", exc)
 
 
 def _log_late_failure(future: Future[Any]) -> None:

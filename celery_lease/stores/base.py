@@ -325,6 +325,13 @@ class BaseLeaseStore:
     def reset_after_fork(self) -> None:
         """Most drivers notice a fork themselves; stores that do not override this."""
 
+    def warm_up(self) -> None:
+        """Open the calling thread's connection now, ahead of its first operation (optional).
+
+        The renewer calls it on its I/O thread when a process first holds a lease, so the first
+        renewal does not pay for a connection handshake on a slow network.
+        """
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -57,6 +58,18 @@ except ImportError:  # pragma: no cover - depends on the install
     _pack_command = None  # type: ignore[assignment]
 
 __all__ = ["RedisLeaseStore"]
+
+# A new connection sends nothing before its first command. Otherwise redis-py (8.x) opens each
+# one with HELLO, CLIENT MAINT_NOTIFICATIONS and two CLIENT SETINFO: four round trips that a
+# reconnect, or the renewer's first call, cannot spare on a slow link (at a round trip of a
+# quarter of the ttl they took the whole renewal window). RESP2 needs no HELLO and has no
+# maintenance notifications; the scripts' replies read the same in both protocols.
+_LEAN_CONNECT: dict[str, Any] = {"protocol": 2}
+_LEAN_CONNECT.update(
+    {"driver_info": None}
+    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
+    else {"lib_name": None, "lib_version": None}
+)
 
 # redis-py's cluster client raises RedisClusterException (not a RedisError) for, e.g., slots
 # no node serves.
@@ -254,6 +267,7 @@ class RedisLeaseStore(BaseLeaseStore):
                         # One immediate reconnect covers a connection the server dropped; more
                         # retries would stall renewal past the self-fence deadline.
                         retry=Retry(NoBackoff(), 1),
+                        **_LEAN_CONNECT,
                     )
             except ValueError as exc:
                 raise LeaseConfigError(
@@ -699,6 +713,10 @@ class RedisLeaseStore(BaseLeaseStore):
                 raise LeaseStoreError(message)
             warnings.append(message)
         return warnings
+
+    def warm_up(self) -> None:
+        with self._run("warm-up"):
+            self._connections.execute("PING")
 
     def close(self) -> None:
         self._connections.close()

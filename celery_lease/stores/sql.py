@@ -564,6 +564,9 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             )
         return warnings
 
+    def warm_up(self) -> None:
+        self._run("warm-up", lambda cursor: None)
+
     def reset_after_fork(self) -> None:
         """Forget connections inherited from the parent (SQLAlchemy's fork recipe)."""
         self._local = threading.local()

@@ -1,0 +1,107 @@
+"""S10 latency and resets between a renewer and a real Redis, through the loopback proxy.
+
+* RTT below ttl/3: renewals keep the lease; no spurious loss over many renewals.
+* RTT above the ttl: every renewal comes back too late; the renewer declares the lease lost at
+  its self-fence deadline (while the renewal is still in flight), before the store expires it.
+* A connection reset mid-renewal is survived: the renewal is repeated on a fresh connection (a
+  renewal is safe to repeat) and the lease is kept, same fence.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from celery_lease import Owner
+from celery_lease._renewer import Renewer
+from celery_lease.stores.redis import RedisLeaseStore
+from tests.conftest import unique
+from tests.tooling.proxy import TcpProxy
+from tests.tooling.servers import wait_for
+
+pytestmark = [pytest.mark.chaos_ci]
+
+TTL = 1.5
+INTERVAL = TTL / 3
+MARGIN = TTL / 4
+
+
+@pytest.fixture
+def proxied(redis_server):
+    port = urlsplit(redis_server.url).port
+    with TcpProxy(port) as proxy:
+        store = RedisLeaseStore(
+            url=proxy.url_for(redis_server.url), key_prefix=f"{unique('s10')}:", socket_timeout=5
+        )
+        direct = RedisLeaseStore(url=redis_server.url, key_prefix=store.key_prefix)
+        renewer = Renewer()
+        try:
+            yield proxy, store, direct, renewer
+        finally:
+            renewer.shutdown()
+            store.close()
+            direct.close()
+
+
+def _hold(renewer, lease, lost):
+    lease.margin = MARGIN
+    return renewer.hold(
+        lease,
+        interval=INTERVAL,
+        max_runtime=60,
+        on_lost=lambda h, e: lost.append((e, time.monotonic())),
+    )
+
+
+def test_latency_below_a_third_of_the_ttl_loses_nothing(proxied):
+    proxy, store, direct, renewer = proxied
+    lost: list = []
+    lease = store.acquire("s10/slow-net", Owner.new("w"), TTL)
+    proxy.set_latency(TTL / 8)  # each way: RTT = ttl/4
+    hold = _hold(renewer, lease, lost)
+    calls = renewer.calls
+    wait_for(lambda: renewer.calls >= calls + 12 or lost, 30, "12 renewals")
+    renewer.drop(hold)
+    print(f"{renewer.calls - calls} renewals at RTT {TTL / 4:.3f}s, {renewer.failures} failed")
+    assert not lost and renewer.failures == 0
+    info = direct.get("s10/slow-net")
+    assert info is not None and not info.expired and info.fence == lease.fence
+
+
+def test_latency_above_the_ttl_is_a_loss_before_the_store_expiry(proxied):
+    proxy, store, direct, renewer = proxied
+    lost: list = []
+    lease = store.acquire("s10/too-slow", Owner.new("w"), TTL)
+    expires_at = direct.get("s10/too-slow").expires_at.timestamp()
+    proxy.set_latency(TTL)  # each way: every reply arrives 2x ttl after it was asked
+    _hold(renewer, lease, lost)
+    wait_for(lambda: lost, 10, "the loss")
+    error, at = lost[0]
+    lost_wall = time.time() - (time.monotonic() - at)
+    print(f"lost ({error.reason}) {expires_at - lost_wall:.3f}s before the store's expiry")
+    assert error.reason == "renew_failed"
+    assert at >= lease.deadline - 0.05  # not before its self-fence deadline
+    # Before the store could expire the lease: no other owner could have had it yet.
+    assert lost_wall < expires_at
+    proxy.set_latency(0)
+
+
+def test_a_reset_mid_renewal_is_survived_on_a_fresh_connection(proxied):
+    proxy, store, direct, renewer = proxied
+    lost: list = []
+    lease = store.acquire("s10/reset", Owner.new("w"), TTL)
+    deadline_before = lease.deadline
+    proxy.set_latency(0.1)  # a renewal stays in flight for 0.2 s: long enough to cut it
+    _hold(renewer, lease, lost)
+    wait_for(lambda: renewer.calls >= 1, 10, "a renewal in flight")
+    accepted = proxy.accepted
+    proxy.reset_all()
+    wait_for(lambda: lease.deadline > deadline_before or lost, 10, "a renewal after the reset")
+    proxy.set_latency(0)
+    print(f"{renewer.calls} renewal calls, {renewer.failures} failed, {lost=}")
+    assert not lost
+    assert proxy.accepted > accepted  # it got through on a new connection
+    info = direct.get("s10/reset")
+    assert info is not None and info.fence == lease.fence and not info.expired
