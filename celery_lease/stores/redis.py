@@ -118,8 +118,13 @@ class _Script:
         try:
             return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            self.sha = self.connections.load_script(self.source)
-            return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+            # The server lost its script cache (a restart): EVAL runs the script and caches it
+            # in one round trip, where SCRIPT LOAD + EVALSHA would take two.
+            return self.connections.execute("EVAL", self.source, len(keys), *keys, *args)
+
+    def load(self) -> None:
+        """Make sure the server has the script (one round trip)."""
+        self.sha = self.connections.load_script(self.source)
 
 
 class _Connections:
@@ -715,8 +720,10 @@ class RedisLeaseStore(BaseLeaseStore):
         return warnings
 
     def warm_up(self) -> None:
+        # Opens this thread's connection and loads the renewal script: the renewer's first call
+        # then costs one round trip, also on a server that has not seen the script yet.
         with self._run("warm-up"):
-            self._connections.execute("PING")
+            self._renew.load()
 
     def close(self) -> None:
         self._connections.close()

@@ -23,7 +23,7 @@ from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.chaos_ci]
 
-TTL = 1.5
+TTL = 3.0
 INTERVAL = TTL / 3
 MARGIN = TTL / 4
 
@@ -59,10 +59,11 @@ def test_latency_below_a_third_of_the_ttl_loses_nothing(proxied):
     proxy, store, direct, renewer = proxied
     lost: list = []
     lease = store.acquire("s10/slow-net", Owner.new("w"), TTL)
+    direct.client.script_flush()  # as after a restart: the renewal script must come back too
     proxy.set_latency(TTL / 8)  # each way: RTT = ttl/4
     hold = _hold(renewer, lease, lost)
     calls = renewer.calls
-    wait_for(lambda: renewer.calls >= calls + 12 or lost, 30, "12 renewals")
+    wait_for(lambda: renewer.calls >= calls + 8 or lost, 30, "8 renewals")
     renewer.drop(hold)
     print(f"{renewer.calls - calls} renewals at RTT {TTL / 4:.3f}s, {renewer.failures} failed")
     assert not lost and renewer.failures == 0
