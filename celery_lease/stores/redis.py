@@ -118,9 +118,10 @@ class _Script:
         try:
             return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            # The server lost its script cache (a restart): EVAL runs the script and caches it
-            # in one round trip, where SCRIPT LOAD + EVALSHA would take two.
-            return self.connections.execute("EVAL", self.source, len(keys), *keys, *args)
+            # The server lost its script cache (a restart). SCRIPT LOAD + EVALSHA, not EVAL:
+            # the least-privilege ACL grants evalsha and script|load only.
+            self.load()
+            return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def load(self) -> None:
         """Make sure the server has the script (one round trip)."""
