@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -42,37 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests.tooling.servers lives in the repository, not the package
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_tasks import CLOCK_TICK, proc_table, tree_ticks  # noqa: E402 - ROOT first
+
 KEY_PREFIX = "celery_lease_overhead:"
 TABLE_PREFIX = "celery_lease_overhead_"
 FLOOR_TABLE = "celery_lease_overhead_floor"
-CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 FLOOR_TRIPS = 2  # round trips per task in a floor run (claim, release)
 
 
 # -- server CPU ---------------------------------------------------------------------------------
-def _tree_seconds(root: int) -> float:
-    """User+sys seconds of ``root`` and every descendant (live, or reaped into cutime)."""
-    table: dict[int, tuple[int, int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                    fields = stat.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            table[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table:
-            total += table[pid][1]
-            todo.extend(children.get(pid, ()))
-    return total / CLOCK_TICK
-
-
 class ServerCpu:
     """Reads the CPU seconds the store servers have used so far."""
 
@@ -88,7 +65,7 @@ class ServerCpu:
             info = self.redis.info("cpu")
             out["redis"] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
         if self.postgres_pid is not None:
-            out["postgres"] = _tree_seconds(self.postgres_pid)
+            out["postgres"] = tree_ticks(proc_table(), self.postgres_pid) / CLOCK_TICK
         return out
 
 
