@@ -101,6 +101,7 @@ class Renewer:
     ) -> Hold:
         """Start renewing ``lease`` every ``interval`` s, for at most ``max_runtime`` s."""
         hold = Hold(lease, interval, max_runtime, on_lost)
+        warm_on: ThreadPoolExecutor | None = None
         with self._cond:
             self._closing = False
             self._holds.add(hold)
@@ -109,14 +110,13 @@ class Renewer:
                 self._thread.start()
             elif min(hold.next_due, hold.lease.deadline) < self._wake_at:
                 self._cond.notify()
-            warm = id(hold.store) not in self._warmed
-            if warm:
+            if hold.store is not None and id(hold.store) not in self._warmed:
                 self._warmed.add(id(hold.store))
-                io = self._io_executor()
-        if warm and hold.store is not None:
+                warm_on = self._io_executor()
+        if warm_on is not None:
             # Open the I/O thread's connection now, not at the first renewal: on a slow link a
             # handshake there could take the whole renew window.
-            io.submit(_warm_up, hold.store)
+            warm_on.submit(_warm_up, hold.store)
         return hold
 
     def drop(self, hold: Hold) -> None:
