@@ -71,6 +71,9 @@ class LeaseBusyError(LeaseError):
         holder_label: the holder's human label (host, pid, task id), never its token.
         fence: the holder's fence.
         expires_in: seconds until the holder's lease expires unless renewed (store clock).
+        duplicate: True when the holder runs the *same* task identity (this claim is a
+            redelivered or duplicated copy of work that is running now), False for other work
+            contending for the resource. A duplicate is re-armed whatever ``on_busy`` says.
     """
 
     def __init__(
@@ -80,16 +83,24 @@ class LeaseBusyError(LeaseError):
         holder_label: str | None = None,
         fence: int | None = None,
         expires_in: float | None = None,
+        duplicate: bool = False,
     ) -> None:
-        super().__init__(message, resource, holder_label, fence, expires_in)
+        super().__init__(message, resource, holder_label, fence, expires_in, duplicate)
         self.resource = resource
         self.holder_label = holder_label
         self.fence = fence
         self.expires_in = expires_in
+        self.duplicate = duplicate
 
     @classmethod
     def held(
-        cls, resource: str, holder_label: str | None, fence: int | None, expires_in: float | None
+        cls,
+        resource: str,
+        holder_label: str | None,
+        fence: int | None,
+        expires_in: float | None,
+        *,
+        duplicate: bool = False,
     ) -> LeaseBusyError:
         """Build the error with a message that names the holder and when it expires."""
         if holder_label is None:
@@ -103,6 +114,7 @@ class LeaseBusyError(LeaseError):
             holder_label,
             fence,
             expires_in,
+            duplicate,
         )
 
 
