@@ -27,7 +27,7 @@ from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
 from ._fencing import FenceGate
 from ._interrupt import shielded
 from ._lease import Lease
-from ._names import show_value, validate_resource
+from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, validate_resource
 
 __all__ = [
     "FENCING_HEADER",
@@ -43,6 +43,16 @@ __all__ = [
 
 FENCING_HEADER = "Fencing-Token"
 _KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
+#: Fences are 64-bit on every store (SQL BIGINT); a larger one is no fence we issued.
+_MAX_FENCE = 2**63 - 1
+# Every part of a token is checked against an ASCII-only pattern before it is converted or
+# compared: int() accepts '²'-like digits and raises past 4300 digits, hmac.compare_digest
+# raises TypeError on non-ASCII text, b64decode and .decode() raise on junk. A gateway must
+# answer such input with InvalidFenceTokenError (403), not a crash (500).
+_MAX_TOKEN = 1024  # a signed token of a 200-character resource is about 400 characters
+_DIGITS = re.compile(r"[0-9]{1,19}")
+_B64 = re.compile(r"[A-Za-z0-9_-]{2,270}")
+_MAC = re.compile(r"[A-Za-z0-9_-]{43}")  # unpadded urlsafe base64 of a SHA-256 digest
 
 
 def _fence_of(fence: int | Lease) -> int:
@@ -200,20 +210,36 @@ class FenceSigner:
         Raises:
             InvalidFenceTokenError: malformed, unknown key, bad signature or expired.
         """
+        malformed = InvalidFenceTokenError(
+            f"malformed signed fencing token {show_value(token)}; expected "
+            "v1.<key id>.<resource>.<fence>.<expiry>.<signature>"
+        )
+        if not isinstance(token, str) or len(token) > _MAX_TOKEN:
+            raise malformed
         parts = token.split(".")
         if len(parts) != 6 or parts[0] != "v1":
-            raise InvalidFenceTokenError("malformed signed fencing token")
+            raise malformed
         _, kid, encoded, fence, expiry, mac = parts
+        if not (
+            _KID.fullmatch(kid)
+            and _B64.fullmatch(encoded)
+            and _DIGITS.fullmatch(fence)
+            and _DIGITS.fullmatch(expiry)
+            and _MAC.fullmatch(mac)
+        ):
+            raise malformed
         if kid not in self._keys:
             raise InvalidFenceTokenError(f"fencing token signed with unknown key {kid!r}")
         expected = self._mac(kid, ".".join(parts[:5]))
-        if not hmac.compare_digest(expected, mac):
+        if not hmac.compare_digest(expected.encode(), mac.encode()):
             raise InvalidFenceTokenError("fencing token signature does not match (forged?)")
+        value = _parse_fence(fence, token)
         try:
-            resource = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-            value, deadline = int(fence), int(expiry)
-        except ValueError:
-            raise InvalidFenceTokenError("malformed signed fencing token") from None
+            raw = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+            resource = _parse_resource(raw.decode(), token)
+        except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+            raise malformed from None
+        deadline = int(expiry)
         if deadline and time.time() > deadline:
             raise InvalidFenceTokenError("fencing token expired")
         return resource, value
@@ -278,15 +304,37 @@ def check_fencing_token(
         named, fence = signer.verify(token)
     else:
         named, sep, raw = token.rpartition(";")
-        if not sep or not raw.isdigit():
+        if not sep or len(token) > _MAX_TOKEN:
             raise InvalidFenceTokenError(
                 f"malformed {FENCING_HEADER} header {show_value(token)}; expected "
                 "<resource>;<fence>"
             )
-        fence = int(raw)
+        fence = _parse_fence(raw, token)
+        named = _parse_resource(named, token)
     if resource is not None and named != resource:
         raise InvalidFenceTokenError(
             f"fencing token names {named!r}, not {resource!r}: refusing a token for another "
             "resource"
         )
-    return gate.admit(key or validate_resource(named), fence)
+    return gate.admit(key or named, fence)
+
+
+def _parse_fence(raw: str, token: str) -> int:
+    """ASCII digits only, at most a 64-bit fence; else InvalidFenceTokenError."""
+    if not _DIGITS.fullmatch(raw) or int(raw) > _MAX_FENCE:
+        raise InvalidFenceTokenError(
+            f"fencing token {show_value(token)} carries no valid fence: expected 0..{_MAX_FENCE} "
+            "in ASCII digits"
+        )
+    return int(raw)
+
+
+def _parse_resource(named: str, token: str) -> str:
+    """A valid resource name (what fencing_headers and sign() write); else
+    InvalidFenceTokenError, not the LeaseConfigError validate_resource raises for our callers."""
+    if not RESOURCE_PATTERN.fullmatch(named):
+        raise InvalidFenceTokenError(
+            f"fencing token {show_value(token)} names no valid resource: a resource name is "
+            f"{RESOURCE_RULE}"
+        )
+    return named

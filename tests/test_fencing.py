@@ -15,6 +15,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import pytest
 import redis
 import sqlalchemy as sa
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from celery_lease import FenceGate, InvalidFenceTokenError, Owner, StaleFenceError
@@ -191,6 +193,82 @@ class TestHttpTokens:
         assert token_from_request({"fencing-token": "a;3"}) == "a;3"
         with pytest.raises(InvalidFenceTokenError, match="no Fencing-Token"):
             check_fencing_token({}, FenceGate("memory://"))
+
+
+class TestTokenParsingNeverCrashes:
+    """Whatever a caller sends, the parser answers a fence or InvalidFenceTokenError (a 403),
+    never TypeError/ValueError (a 500)."""
+
+    SIGNER = FenceSigner({"k1": SECRET}, active="k1")
+
+    @staticmethod
+    def _outcome(token, **kwargs):
+        try:
+            return check_fencing_token(token, FenceGate("memory://"), **kwargs)
+        except InvalidFenceTokenError:
+            return "refused"
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(st.text())
+    @example("\u00b2")
+    @example("acct-1;\u00b2")
+    @example("acct-1;\u0663")  # ARABIC-INDIC DIGIT THREE: isdigit() and int() accept it
+    @example("acct-1;" + "9" * 5000)  # past int()'s digit limit
+    @example("acct-1;" + "9" * 30)  # past any store's 64-bit fence
+    @example(";5")  # no resource
+    @example("acct 1;5")  # not a resource name
+    @example("acct-1;-5")
+    @example("acct-1;")
+    def test_unsigned_tokens(self, token):
+        """An unsigned token is admitted only as ``<resource>;<ascii digits>``."""
+        outcome = self._outcome({FENCING_HEADER: token})
+        if outcome != "refused":
+            raw = token.rpartition(";")[2]
+            assert raw.isascii() and raw.isdigit() and outcome == int(raw) < 2**63
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(part=st.integers(0, 5), text=st.text())
+    @example(part=5, text="\u00e9" * 43)  # a non-ASCII MAC
+    @example(part=3, text="\u00b2")
+    @example(part=4, text="9" * 5000)
+    @example(part=2, text="")  # an empty resource
+    @example(part=2, text="YWNjdCAx")  # base64 of "acct 1": not a resource name
+    @example(part=2, text="_w")  # base64 of b"\xff": not UTF-8
+    @example(part=1, text="")
+    def test_signed_tokens_with_one_part_replaced(self, part, text):
+        """A signed token with any one part replaced is refused, never crashes the parser."""
+        parts = self.SIGNER.sign("acct-1", 5).split(".")
+        parts[part] = text
+        token = ".".join(parts)
+        outcome = self._outcome(token, signer=self.SIGNER)
+        assert outcome in ("refused", 5)
+        with pytest.raises(InvalidFenceTokenError) if outcome == "refused" else _no_error():
+            self.SIGNER.verify(token)
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(st.text())
+    @example("")
+    @example("v1.k1.YWNjdC0x.5.0." + "\u00e9" * 43)
+    @example("v1." + "x" * 100_000)
+    def test_signed_tokens_from_arbitrary_text(self, token):
+        """Arbitrary text given to a signer is refused, never crashes it."""
+        assert self._outcome(token, signer=self.SIGNER) == "refused"
+        with pytest.raises(InvalidFenceTokenError):
+            self.SIGNER.verify(token)
+
+    def test_a_token_for_a_well_formed_resource_still_passes(self):
+        """The stricter parser keeps admitting what fencing_headers and sign() produce."""
+        assert self._outcome({FENCING_HEADER: "browser/acct-42:x_y.z;12"}) == 12
+        token = self.SIGNER.sign("browser/acct-42", 2**63 - 1, expires_in=60)
+        assert self._outcome(token, signer=self.SIGNER) == 2**63 - 1
+
+
+class _no_error:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def test_a_wsgi_tool_gateway_rejects_a_stale_owner_over_http():
