@@ -8,10 +8,12 @@ is parsed before task modules are imported).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from celery import bootsteps, signals
@@ -22,7 +24,14 @@ from ._renewer import get_renewer
 from ._settings import LeaseSettings
 from .stores import LeaseStore, mask_url, store_from_url
 
-__all__ = ["LeaseBootstep", "get_store", "install", "release_all_held"]
+__all__ = [
+    "LeaseBootstep",
+    "get_store",
+    "install",
+    "overridden_store",
+    "override_store",
+    "release_all_held",
+]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +39,9 @@ _StoreKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]
 _stores: weakref.WeakKeyDictionary[Any, dict[_StoreKey, LeaseStore]] = weakref.WeakKeyDictionary()
 _stores_lock = threading.Lock()
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
+# Stores put in place by override_store(), innermost last. Process-wide on purpose: a test's
+# worker threads must see the store the test put in place.
+_overrides: list[LeaseStore] = []
 
 
 def _store_options(settings: LeaseSettings) -> dict[str, Any]:
@@ -48,12 +60,37 @@ def _store_options(settings: LeaseSettings) -> dict[str, Any]:
     return options
 
 
+@contextlib.contextmanager
+def override_store(store: LeaseStore) -> Iterator[LeaseStore]:
+    """Make every lease task in this process use ``store``, whatever its settings say.
+
+    For tests (``celery_lease.testing`` builds on it); overrides nest.
+    """
+    with _stores_lock:
+        _overrides.append(store)
+    try:
+        yield store
+    finally:
+        with _stores_lock:
+            _overrides.remove(store)
+
+
+def overridden_store() -> LeaseStore | None:
+    """The store put in place by the innermost ``override_store()``, or None."""
+    return _overrides[-1] if _overrides else None
+
+
 def get_store(app: Any, settings: LeaseSettings | None = None) -> LeaseStore:
     """The lease store of ``app`` for these settings (made once per process and app).
+
+    An ``override_store()`` in effect wins over the settings.
 
     Raises:
         LeaseConfigError: ``lease_store_url`` is not set or not usable.
     """
+    override = overridden_store()
+    if override is not None:
+        return override
     if settings is None:
         settings = LeaseSettings.resolve(app.conf)
     if not settings.store_url:

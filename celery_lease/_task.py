@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import fields
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import Task, shared_task
 from celery._state import _task_stack
@@ -33,7 +33,7 @@ from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import _events as events
 from . import _failpoints as failpoints
-from ._app import get_store, install
+from ._app import get_store, install, overridden_store
 from ._errors import (
     IdentityDoneError,
     LeaseBusyError,
@@ -51,6 +51,9 @@ from ._names import show_value, validate_resource
 from ._renewer import Hold, get_renewer
 from ._settings import LeaseSettings
 from ._template import NameTemplate
+
+if TYPE_CHECKING:
+    from .stores import LeaseStore
 
 __all__ = ["LeaseTask", "current_lease", "lease_task"]
 
@@ -206,7 +209,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         resource = self.lease_resource_for(args, kwargs)
         identity = self.lease_identity_for(args, kwargs, request)
-        store = compiled.store
+        store = compiled.current_store(task=self)
         owner = Owner.fresh(_owner_label(request))
         try:
             lease = store.acquire(resource, owner, settings.ttl, identity=identity)
@@ -521,7 +524,7 @@ class _Compiled:
             )
         self.pid = os.getpid()
         self.settings = task.lease_settings
-        self.store = get_store(task.app, self.settings)
+        self.store: LeaseStore | None = None  # made at the first claim (current_store)
         signature = inspect.signature(task.run)
         resource = _raw_attr(task, "lease_resource")
         self.resource = (
@@ -534,6 +537,16 @@ class _Compiled:
             if identity not in (None, True, False)
             else None
         )
+
+    def current_store(self, task: LeaseTask) -> LeaseStore:
+        """The store this call claims in: a test's override, else the app's (made once)."""
+        override = overridden_store()
+        if override is not None:
+            return override
+        store = self.store
+        if store is None:
+            store = self.store = get_store(task.app, self.settings)
+        return store
 
 
 def _raw_attr(task: LeaseTask, name: str) -> Any:

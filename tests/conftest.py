@@ -25,6 +25,10 @@ STORE_KINDS = ("memory", "redis", "redis_cluster", "sqlite", "postgres")
 _counter = itertools.count()
 
 
+# A sample of a user's own suite, run by tests/test_testing.py in its own pytest process.
+collect_ignore = ["user_suite"]
+
+
 def missing(what: str) -> None:
     """Skip locally, fail in CI: a test that needs a server must not silently pass in CI."""
     if IN_CI:

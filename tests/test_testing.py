@@ -1,0 +1,129 @@
+"""celery_lease.testing: a user's suite runs leased tasks without servers, and each helper
+does what it says (each checked against the same code path without the helper)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_lease import LeaseConfigError, Owner
+from celery_lease.testing import TestLeaseStore, assert_no_stale_write_accepted, using_store
+from tests.user_suite import myapp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_sample_user_suite_passes() -> None:
+    run = _run(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "tests/user_suite"]
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "7 passed" in run.stdout
+
+
+@pytest.fixture
+def eager():
+    myapp.app.conf.task_always_eager = True
+    myapp.SENT.clear()
+    yield
+    myapp.app.conf.task_always_eager = False
+
+
+def test_without_the_fixture_the_app_has_no_store(eager) -> None:
+    """Control: the sample app names no store, so only the override lets its tasks run."""
+    with pytest.raises(LeaseConfigError, match="lease_store_url is not set"):
+        myapp.send_invoice.delay(17).get()
+    with using_store():
+        assert myapp.send_invoice.delay(17).get() == 1
+
+
+def test_the_same_message_twice_runs_once_but_two_messages_run_twice(eager) -> None:
+    from celery_lease.testing import send_twice
+
+    with using_store():
+        send_twice(myapp.send_invoice, (17,))
+        assert myapp.SENT == [(17, 1)]
+        myapp.send_invoice.delay(17)  # control: a new message is new work
+        assert myapp.SENT == [(17, 1), (17, 2)]
+
+
+def test_expire_makes_the_next_claim_a_takeover() -> None:
+    store = TestLeaseStore()
+    assert store.expire("agent/1") is None
+    first = store.acquire("agent/1", Owner.fresh("a"), 60, identity="job")
+    assert store.expire("agent/1").fence == first.fence
+    second = store.acquire("agent/1", Owner.fresh("b"), 60, identity="job")
+    assert second.fence == first.fence + 1
+    assert second.previous_fence == first.fence
+    # control: without expire() the resource is still held
+    with pytest.raises(Exception, match="held"):
+        store.acquire("agent/1", Owner.fresh("c"), 60)
+
+
+@pytest.mark.parametrize(
+    ("writes", "stale"),
+    [
+        ([1, 2, 2, 3], False),
+        ([("a", 2), ("b", 1), ("a", 3)], False),
+        ([1, 3, 2], True),
+        ([("a", 2), ("b", 5), ("a", 1)], True),
+    ],
+)
+def test_assert_no_stale_write_accepted(writes, stale) -> None:
+    if stale:
+        with pytest.raises(AssertionError, match="stale holder"):
+            assert_no_stale_write_accepted(writes)
+    else:
+        assert_no_stale_write_accepted(writes)
+
+
+FROZEN = """
+import datetime, os, sys, threading
+sys.path.insert(0, os.getcwd())
+import freezegun
+import celery_lease.testing
+from celery_lease.testing import using_store
+if os.environ["CONTROL"] == "1":  # what freezegun does without celery_lease's ignore entry
+    freezegun.configure(default_ignore_list=[
+        n for n in freezegun.config.settings.default_ignore_list if n != "celery_lease"
+    ])
+from tests.user_suite import myapp
+myapp.app.conf.task_always_eager = True
+frozen = freezegun.freeze_time(datetime.datetime(2030, 1, 1))
+timer = threading.Timer(0.3, frozen.start)  # the test freezes the clock while a task runs
+with using_store():
+    timer.start()
+    try:
+        print(myapp.drive_browser.delay(1, 1.5).get())
+    except Exception as exc:
+        print(type(exc).__name__)
+    finally:
+        timer.join()
+        frozen.stop()
+"""
+
+
+@pytest.mark.parametrize(("control", "expected"), [("0", "done"), ("1", "LeaseLostError")])
+def test_a_frozen_wall_clock_does_not_move_a_lease(control: str, expected: str) -> None:
+    started = time.monotonic()
+    run = _run(["-c", textwrap.dedent(FROZEN)], {"CONTROL": control})
+    assert run.stdout.strip().splitlines()[-1:] == [expected], run.stdout + run.stderr
+    assert time.monotonic() - started < 60
