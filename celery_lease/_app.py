@@ -21,7 +21,7 @@ from celery import bootsteps, signals
 from . import _events as events
 from ._errors import LeaseConfigError, LeaseError
 from ._renewer import get_renewer
-from ._settings import LeaseSettings
+from ._settings import MIN_STORE_CALL, LeaseSettings
 from .stores import LeaseStore, mask_url, store_from_url
 
 __all__ = [
@@ -49,7 +49,7 @@ def _store_options(settings: LeaseSettings) -> dict[str, Any]:
     options = dict(settings.store_options)
     options.setdefault("retention", settings.retention)
     # Keep a store call well inside the self-fence margin so a renewal retry still fits.
-    timeout = min(5.0, max(0.2, settings.ttl / 4))
+    timeout = min(5.0, max(MIN_STORE_CALL, settings.ttl / 4))
     if url.startswith(("redis://", "rediss://", "unix://")):
         options.setdefault("key_prefix", settings.key_prefix)
         options.setdefault("socket_timeout", timeout)

@@ -8,16 +8,29 @@ the way ``task_acks_late`` pairs with ``Task.acks_late``. Bad values raise
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._errors import LeaseConfigError
 from ._names import show_value
 
-__all__ = ["SETTINGS_DOC", "LeaseSettings"]
+__all__ = ["MIN_STORE_CALL", "SETTINGS_DOC", "LeaseSettings", "did_you_mean"]
 
 ON_BUSY = ("retry", "skip", "fail")
+
+#: Seconds a store call may take before it times out, at the least (the stores' socket and
+#: statement timeouts are ttl / 4, but never below this). A renewal must be able to take that
+#: long and still be answered before the self-fence deadline, which bounds the smallest ttl.
+MIN_STORE_CALL = 0.2
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """``" (did you mean 'ttl'?)"`` for the candidate closest to a misspelt ``name``, or ``""``."""
+    matches = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+    return f" (did you mean {matches[0]!r}?)" if matches else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +73,8 @@ class LeaseSettings:
             LeaseConfigError: a value is of the wrong type or out of range (key named).
         """
         values: dict[str, Any] = {}
+        if conf is not None:
+            _check_conf_keys(conf)
         for f in fields(cls):
             value = conf.get(f"lease_{f.name}") if conf is not None else None
             if value is not None:
@@ -76,7 +91,8 @@ class LeaseSettings:
         if unknown:
             name = sorted(unknown)[0]
             raise LeaseConfigError(
-                f"unknown lease setting {name!r}; known settings: {', '.join(sorted(known))}"
+                f"unknown lease setting {name!r}{did_you_mean(name, known)}; known settings: "
+                f"{', '.join(sorted(known))}"
             )
         for name in (
             "ttl",
@@ -126,7 +142,53 @@ class LeaseSettings:
                 f"lease_self_fence_margin={settings.effective_margin:g} leaves no time to act "
                 f"within lease_ttl={ttl:g} after a renewal; use about a quarter of the ttl"
             )
+        _check_renew_window(settings)
         return settings
+
+
+def _check_conf_keys(conf: Any) -> None:
+    """Refuse a ``lease_*`` key on ``app.conf`` that is no setting (a typo would be ignored)."""
+    try:
+        keys = list(conf.keys())
+    except (AttributeError, TypeError):  # not a mapping: nothing to check
+        return
+    known = {f"lease_{f.name}" for f in fields(LeaseSettings)}
+    for key in keys:
+        if isinstance(key, str) and key.startswith("lease_") and key not in known:
+            raise LeaseConfigError(
+                f"app.conf.{key}{did_you_mean(key, known)} is not a celery_lease setting; "
+                f"the settings are {', '.join(sorted(known))}"
+            )
+
+
+def _check_renew_window(settings: LeaseSettings) -> None:
+    """A renewal must fit between its send and the self-fence deadline, store timeout and all.
+
+    A renewal is sent ``renew_interval`` after the previous one and must be answered before
+    ``ttl - margin`` after it, when the owner stops acting; a store call may take
+    ``MIN_STORE_CALL`` before it times out. A shorter window loses healthy leases.
+    """
+    ttl, interval, margin = (
+        settings.ttl,
+        settings.effective_renew_interval,
+        settings.effective_margin,
+    )
+    window = ttl - margin - interval
+    if window >= MIN_STORE_CALL - 1e-9:  # (float rounding at the bound itself)
+        return
+    # ttl - margin - interval is linear in ttl: solve it for the window of one store call.
+    fixed = (settings.renew_interval or 0.0) + (settings.self_fence_margin or 0.0)
+    fraction = (1 / 3 if settings.renew_interval is None else 0.0) + (
+        1 / 4 if settings.self_fence_margin is None else 0.0
+    )
+    smallest = (MIN_STORE_CALL + fixed) / (1 - fraction)
+    raise LeaseConfigError(
+        f"lease_ttl={ttl:g} is too short to renew safely: a renewal is sent {interval:.3g}s "
+        f"after the previous one and must be answered {margin:.3g}s before the ttl runs out, "
+        f"which leaves {window:.3g}s, less than the {MIN_STORE_CALL:g}s a store call may take "
+        f"before it times out; the smallest ttl allowed with this renew interval and margin is "
+        f"{math.ceil(smallest * 1000) / 1000:g}s"
+    )
 
 
 def _number(value: Any) -> bool:

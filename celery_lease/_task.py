@@ -49,7 +49,7 @@ from ._ledger import decode, encode
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._names import show_value, validate_resource
 from ._renewer import Hold, get_renewer
-from ._settings import LeaseSettings
+from ._settings import LeaseSettings, did_you_mean
 from ._template import NameTemplate
 
 if TYPE_CHECKING:
@@ -61,6 +61,35 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 SETTING_NAMES = tuple(f.name for f in fields(LeaseSettings))
+#: Keywords Celery's task decorators and autoretry take that are not ``Task`` attributes;
+#: every ``Task`` attribute (``acks_late``, ``max_retries``, ...) is accepted as well.
+CELERY_DECORATOR_OPTIONS = frozenset(
+    {
+        "autoretry_for",
+        "bind",
+        "delivery_mode",
+        "dont_autoretry_for",
+        "exchange",
+        "exchange_type",
+        "filter",
+        "immediate",
+        "lazy",
+        "mandatory",
+        "name",
+        "pydantic",
+        "pydantic_context",
+        "pydantic_dump_kwargs",
+        "pydantic_strict",
+        "queue",
+        "retry_backoff",
+        "retry_backoff_max",
+        "retry_jitter",
+        "retry_kwargs",
+        "routing_key",
+        "shared",
+    }
+)
+LEASE_TASK_KEYWORDS = ("resource", "identity", "reconcile", "reconcile_effect", "app", "base")
 WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
 
@@ -120,10 +149,31 @@ class LeaseTask(Task):  # type: ignore[misc]
     _lease_settings_cache: LeaseSettings | None = None
     _lease_compiled: _Compiled | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A misspelt setting (lease_tll = 5) would be a plain attribute nothing reads.
+        for name, value in vars(cls).items():
+            if (
+                name.startswith("lease_")
+                and name not in _LEASE_ATTRIBUTES
+                and not isinstance(value, (staticmethod, classmethod, property))
+                and not inspect.isfunction(value)
+            ):
+                raise LeaseConfigError(
+                    f"{cls.__qualname__}.{name}"
+                    f"{did_you_mean(name, _LEASE_ATTRIBUTES)} is not a LeaseTask setting; the "
+                    f"settings are {', '.join(f'lease_{n}' for n in SETTING_NAMES)}, plus "
+                    "lease_resource and lease_identity"
+                )
+
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
         LeaseSettings.resolve(None, cls._lease_overrides())  # bad overrides fail at import
+        signature = _run_signature(cls)
+        if signature is not None:
+            specs = {what: _raw_attr(cls, f"lease_{what}") for what in ("resource", "identity")}
+            _check_templates(specs, signature, cls.name)
 
     @classmethod
     def _lease_overrides(cls) -> dict[str, Any]:
@@ -549,7 +599,29 @@ class _Compiled:
         return store
 
 
-def _raw_attr(task: LeaseTask, name: str) -> Any:
+_LEASE_ATTRIBUTES = frozenset(name for name in dir(LeaseTask) if name.startswith("lease_"))
+
+
+def _run_signature(cls: type[LeaseTask]) -> inspect.Signature | None:
+    """The signature a task class's ``run`` is called with, or None for an abstract base."""
+    run = inspect.getattr_static(cls, "run", None)
+    if isinstance(run, staticmethod):
+        return inspect.signature(run.__func__)
+    if not inspect.isfunction(run) or run is Task.run:
+        return None
+    signature = inspect.signature(run)  # bound: drop self
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _check_templates(specs: dict[str, Any], signature: inspect.Signature, task: str) -> None:
+    """Compile the resource and identity templates once, so that a bad one (a parameter the
+    function does not have, a positional field) fails where the task is defined."""
+    for what, spec in specs.items():
+        if isinstance(spec, str):
+            NameTemplate(spec, signature, what, task)
+
+
+def _raw_attr(task: Any, name: str) -> Any:
     """A class attribute as written (a function stored there would come back as a method)."""
     value = inspect.getattr_static(task, name, None)
     if isinstance(value, (staticmethod, classmethod)):
@@ -645,14 +717,41 @@ def lease_task(
             "lease_task needs resource=, e.g. @lease_task(resource='invoice:{invoice_id}')"
         )
     LeaseSettings.resolve(None, {name: attrs.get(f"lease_{name}") for name in SETTING_NAMES})
+    for name in options:
+        if name not in CELERY_DECORATOR_OPTIONS and not hasattr(base, name):
+            candidates = [
+                *SETTING_NAMES,
+                *LEASE_TASK_KEYWORDS,
+                *CELERY_DECORATOR_OPTIONS,
+                *(n for n in dir(base) if not n.startswith("_")),
+            ]
+            raise LeaseConfigError(
+                f"@lease_task got an unknown keyword {name!r}{did_you_mean(name, candidates)}; "
+                f"it takes the lease settings ({', '.join(SETTING_NAMES)}), resource, identity, "
+                "reconcile, reconcile_effect, app, base and Celery's task options; a task "
+                "attribute of your own goes on a LeaseTask subclass passed as base="
+            )
+    specs = {
+        what: attrs.get(f"lease_{what}", _raw_attr(base, f"lease_{what}"))
+        for what in ("resource", "identity")
+    }
     if app is not None:
         # Now, at import: a worker parses its command line (the --lease-* options) before the
         # app is finalized and its tasks are bound.
         install(app)
     register = app.task if app is not None else shared_task
     decorator = register(base=base, **attrs, **options)
+
+    def define(fun: F) -> Any:
+        signature = inspect.signature(fun)
+        if options.get("bind"):  # the task itself comes first
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        name = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
+        _check_templates(specs, signature, name)
+        return decorator(fun)
+
     if len(args) == 1 and callable(args[0]) and not options:
-        return decorator(args[0])
+        return define(args[0])
     if args:
         raise LeaseConfigError("lease_task takes keyword arguments only (resource=..., ttl=...)")
-    return decorator
+    return define

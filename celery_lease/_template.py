@@ -16,6 +16,7 @@ from typing import Any
 
 from ._errors import LeaseConfigError
 from ._names import show_value
+from ._settings import did_you_mean
 
 __all__ = ["NameTemplate"]
 
@@ -70,6 +71,16 @@ class NameTemplate:
         )
         self.names = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
         self.known = {p.name for p in params}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            # Refused when the task is defined: no call could ever provide this argument.
+            for field in self.fields:
+                root = field.split(".")[0].split("[")[0]
+                if root not in self.known:
+                    raise LeaseConfigError(
+                        f"lease {what} template {spec!r} of task {task!r} names {root!r}"
+                        f"{did_you_mean(root, self.known)}, which is not a parameter of the "
+                        f"task function {signature}"
+                    )
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
 
     def render(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:

@@ -97,14 +97,13 @@ class TestResourceTemplates:
         assert ran == []
 
     def test_positional_fields_are_refused(self, app):
-        """{0} is ambiguous across calls; the error says to name the argument."""
-
-        @lease_task(app=app, resource="x-{0}")
-        def task(a):
-            pass
-
+        """{0} is ambiguous across calls; the error, where the task is defined, says to name
+        the argument."""
         with pytest.raises(LeaseConfigError, match="positional"):
-            task.apply((1,), throw=True)
+
+            @lease_task(app=app, resource="x-{0}")
+            def task(a):
+                pass
 
 
 class TestSettings:
