@@ -101,7 +101,7 @@ class Renewer:
     ) -> Hold:
         """Start renewing ``lease`` every ``interval`` s, for at most ``max_runtime`` s."""
         hold = Hold(lease, interval, max_runtime, on_lost)
-        warm_on: ThreadPoolExecutor | None = None
+        self.prepare(hold.store)
         with self._cond:
             self._closing = False
             self._holds.add(hold)
@@ -110,14 +110,25 @@ class Renewer:
                 self._thread.start()
             elif min(hold.next_due, hold.lease.deadline) < self._wake_at:
                 self._cond.notify()
-            if hold.store is not None and id(hold.store) not in self._warmed:
-                self._warmed.add(id(hold.store))
-                warm_on = self._io_executor()
-        if warm_on is not None:
-            # Open the I/O thread's connection now, not at the first renewal: on a slow link a
-            # handshake there could take the whole renew window.
-            warm_on.submit(_warm_up, hold.store)
         return hold
+
+    def prepare(self, store: Any) -> None:
+        """Open the renewal connection to ``store`` now, ahead of a claim (once per store).
+
+        On a slow link a connection handshake at the first renewal could take the whole renew
+        window; called before the claim, it overlaps the claim's own round trip instead.
+        ``hold`` calls it too, for callers that did not.
+        """
+        if store is None or id(store) in self._warmed:
+            return
+        with self._cond:
+            if id(store) in self._warmed:
+                return
+            # The executor first: a new I/O thread has no connections, so making one clears
+            # the marks (marking before that made the next lease warm up a second time).
+            io = self._io_executor()
+            self._warmed.add(id(store))
+        io.submit(_warm_up, store)
 
     def drop(self, hold: Hold) -> None:
         """Stop renewing (the lease was released or the task ended). Never renews it again."""

@@ -261,6 +261,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         identity = self.lease_identity_for(args, kwargs, request)
         store = compiled.current_store(task=self)
         owner = Owner.fresh(_owner_label(request))
+        get_renewer().prepare(store)  # the renewal connection opens while the claim runs
         try:
             lease = store.acquire(resource, owner, settings.ttl, identity=identity)
         except IdentityDoneError as done:

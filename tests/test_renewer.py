@@ -28,6 +28,11 @@ class FaultyStore(MemoryLeaseStore):
         self.calls: list[int] = []
         self.mode = "ok"
         self.release_hang = threading.Event()
+        self.warm_ups = 0
+
+    def warm_up(self):
+        self.warm_ups += 1
+        super().warm_up()
 
     def renew_many(self, leases, ttl=None):
         self.calls.append(len(leases))
@@ -164,6 +169,24 @@ class TestRenewer:
         wait_for(lambda: lease.expires_at > before, 5, "renewal after recovery")
         assert renewer.thread is not None and renewer.thread.is_alive()
         assert "renewal raised unexpectedly" in caplog.text
+        assert not lost
+
+    def test_a_store_is_warmed_up_once_however_many_leases(self, store, renewer):
+        """Round trips to the store: one warm-up, then renewals only, for every later lease.
+
+        (Creating the I/O executor cleared the warm mark that the first hold had just set, so
+        the second lease paid a second warm-up round trip before its first renewal.)
+        """
+        lost, on_lost = lost_recorder()
+        renewer.prepare(store)  # what a task does before its claim
+        wait_for(lambda: store.warm_ups, 5, "the warm-up")
+        for i in range(3):
+            lease = store.acquire(f"r{i}", Owner.new(), 0.6)
+            before = lease.expires_at
+            renewer.hold(lease, interval=0.2, max_runtime=60, on_lost=on_lost)
+            wait_for(lambda: lease.expires_at > before, 5, f"lease {i} renewed")  # noqa: B023
+        print(f"{store.warm_ups} warm-ups, {len(store.calls)} renewal calls")
+        assert store.warm_ups == 1
         assert not lost
 
     def test_the_thread_exits_when_idle(self, store, renewer, monkeypatch):
