@@ -210,6 +210,11 @@ class Lease:
         self._margin = value
 
     @property
+    def sent_monotonic(self) -> float:
+        """Monotonic time at which the last successful claim or renewal was sent."""
+        return self._sent_monotonic
+
+    @property
     def deadline(self) -> float:
         """Monotonic time after which this owner must stop acting unless it renewed."""
         return self._sent_monotonic + self.ttl - self.margin

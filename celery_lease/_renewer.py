@@ -61,12 +61,14 @@ class Hold:
         max_runtime: float,
         on_lost: Callable[[Hold, LeaseLostError], None],
     ) -> None:
-        now = time.monotonic()
         self.lease = lease
         self.store = lease.store
         self.interval = interval
-        self.hard_deadline = now + max_runtime
-        self.next_due = now + interval * (1 - random.uniform(0, JITTER))
+        self.hard_deadline = time.monotonic() + max_runtime
+        # Counted from when the claim was sent, as the lease time and later renewals are:
+        # counted from the hold (after the claim's reply), a round trip near ttl/3 made the
+        # first renewal's reply arrive after the self-fence deadline.
+        self.next_due = lease.sent_monotonic + interval * (1 - random.uniform(0, JITTER))
         self.on_lost = on_lost
         self.done = False
         #: The last renewal failed: retry at next_due itself, never earlier (see _due).

@@ -1,6 +1,7 @@
 """S10 latency and resets between a renewer and a real Redis, through the loopback proxy.
 
-* RTT below ttl/3: renewals keep the lease; no spurious loss over many renewals.
+* RTT below ttl/3: renewals keep the lease; no spurious loss over many renewals, also when
+  the claim itself went over the slow link (its first renewal is due from the claim's send).
 * RTT above the ttl: every renewal comes back too late; the renewer declares the lease lost at
   its self-fence deadline (while the renewal is still in flight), before the store expires it.
 * A connection reset mid-renewal is survived: the renewal is repeated on a fresh connection (a
@@ -68,6 +69,30 @@ def test_latency_below_a_third_of_the_ttl_loses_nothing(proxied):
     print(f"{renewer.calls - calls} renewals at RTT {TTL / 4:.3f}s, {renewer.failures} failed")
     assert not lost and renewer.failures == 0
     info = direct.get("s10/slow-net")
+    assert info is not None and not info.expired and info.fence == lease.fence
+
+
+@pytest.mark.parametrize("fraction", [0.75, 0.9])
+def test_a_claim_over_the_slow_link_survives_its_first_renewal(proxied, fraction):
+    """RTT of 0.75 and 0.9 x ttl/3 from the claim on: no loss, no failed renewal.
+
+    (The first renewal was timed from the claim's reply instead of its send: its reply came
+    back after the self-fence deadline and the lease was lost at its first renewal.)
+    """
+    proxy, store, direct, renewer = proxied
+    direct.release(direct.acquire("s10/load-scripts", Owner.new("w"), TTL))  # one trip a claim
+    rtt = fraction * TTL / 3
+    proxy.set_latency(rtt / 2)
+    lost: list = []
+    renewer.prepare(store)  # as a task does right before its claim
+    lease = store.acquire(f"s10/claim-{fraction}", Owner.new("w"), TTL)
+    hold = _hold(renewer, lease, lost)
+    wait_for(lambda: renewer.calls >= 4 or lost, 30, "4 renewals")
+    renewer.drop(hold)
+    proxy.set_latency(0)
+    print(f"RTT {rtt:.3f}s: {renewer.calls} renewals, {renewer.failures} failed, {lost=}")
+    assert not lost and renewer.failures == 0
+    info = direct.get(lease.resource)
     assert info is not None and not info.expired and info.fence == lease.fence
 
 
