@@ -7,6 +7,7 @@ reject and time limits alike (``task_prerun`` cannot veto; ``after_return`` is s
 Outcomes:
 * resource busy: re-queued with a jittered, capped backoff (``on_busy="retry"``), skipped
   (``"skip"``) or failed (``"fail"``); busy waits have their own budget, not ``max_retries``.
+  A duplicate of the execution holding the lease (same identity) is always re-queued.
 * lease lost while running (taken over, renewal failed past the self-fence deadline, runtime
   cap): the body is interrupted and the task goes to RETRY with :class:`LeaseLostError`, never
   SUCCESS; lost-lease re-runs have their own budget too.
@@ -450,14 +451,21 @@ class LeaseTask(Task):  # type: ignore[misc]
     def _lease_busy(self, busy: LeaseBusyError, settings: LeaseSettings) -> Any:
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
-        if request.is_eager or request.called_directly or settings.on_busy == "fail":
+        if request.is_eager or request.called_directly:
             raise busy
-        if settings.on_busy == "skip":
+        # A copy of work running now (same identity under a live lease: a redelivery, a
+        # duplicate send) is re-armed whatever on_busy says, also past busy_max_waits: acking
+        # it would leave no copy if the running one dies, and failing it would store FAILURE
+        # under the running task's id. on_busy is for *other* work contending for the resource.
+        duplicate = busy.duplicate
+        if settings.on_busy == "fail" and not duplicate:
+            raise busy
+        if settings.on_busy == "skip" and not duplicate:
             log.warning("task %s[%s] skipped: %s", self.name, request.id, busy)
             self._lease_event("task-lease-busy", action="skip", **_busy_fields(busy))
             raise Ignore(str(busy))
         waits = int(_header(request, WAITS_HEADER) or 0)
-        if waits >= settings.busy_max_waits:
+        if waits >= settings.busy_max_waits and not duplicate:
             raise LeaseBusyError(
                 f"{busy} (gave up after {waits} busy waits; raise lease_busy_max_waits to wait "
                 "longer)",
@@ -466,7 +474,13 @@ class LeaseTask(Task):  # type: ignore[misc]
         delay = self._busy_delay(waits, settings)
         events.count("celery_lease_busy_waits_total")
         log.info(
-            "task %s[%s] waits %.2fs (wait %d): %s", self.name, request.id, delay, waits + 1, busy
+            "task %s[%s] waits %.2fs (wait %d)%s: %s",
+            self.name,
+            request.id,
+            delay,
+            waits + 1,
+            " as a duplicate of the running execution" if duplicate else "",
+            busy,
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         return self._requeue(busy, delay, WAITS_HEADER, waits + 1)

@@ -327,3 +327,58 @@ class TestErrors:
         assert all(s in str(busy) for s in ("browser/account-42", "w1@host:123:abc", "17"))
         lost = LeaseLostError.lost("invoice:17", 4, "taken_over", "w2@host:9:def", 5)
         assert all(s in str(lost) for s in ("invoice:17", "4", "w2@host:9:def", "taken_over"))
+
+
+class TestBusyDuplicates:
+    """A busy claim by a copy of the running execution is re-armed whatever on_busy says."""
+
+    @staticmethod
+    def _deliver(task, task_id, waits=0):
+        """Run the task as a worker would (not eager, not direct) under a given task id."""
+        task.push_request(
+            id=task_id,
+            args=(1,),
+            kwargs={},
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"redelivered": True},
+            headers={"celery_lease_waits": waits},
+        )
+        try:
+            return task(1)
+        finally:
+            task.pop_request()
+
+    @pytest.mark.parametrize("on_busy", ["retry", "skip", "fail"])
+    @pytest.mark.parametrize("waits", [0, 3])
+    def test_a_duplicate_is_rearmed_not_skipped_or_failed(self, app, on_busy, waits):
+        """Same identity live under another owner: Retry, also once busy_max_waits is spent."""
+        from celery.exceptions import Retry
+
+        @lease_task(app=app, resource="dup:{n}", on_busy=on_busy, busy_max_waits=3)
+        def task(n):
+            raise AssertionError("the body of a duplicate must not run")
+
+        task_id = unique("task")
+        held = get_store(app).acquire("dup:1", Owner.new("original"), 30, identity=task_id)
+        with pytest.raises(Retry) as caught:
+            self._deliver(task, task_id, waits)
+        assert isinstance(caught.value.exc, LeaseBusyError) and caught.value.exc.duplicate
+        get_store(app).release(held)
+
+    @pytest.mark.parametrize(
+        ("on_busy", "waits", "raised"),
+        [("skip", 0, "Ignore"), ("fail", 0, "LeaseBusyError"), ("retry", 3, "LeaseBusyError")],
+    )
+    def test_other_work_still_follows_on_busy(self, app, on_busy, waits, raised):
+        """A holder running another identity is contention: on_busy and the budget apply."""
+
+        @lease_task(app=app, resource="dup:{n}", on_busy=on_busy, busy_max_waits=3)
+        def task(n):
+            raise AssertionError("the body must not run while another owner holds the lease")
+
+        held = get_store(app).acquire("dup:1", Owner.new("other"), 30, identity="other-job")
+        with pytest.raises(Exception) as caught:  # the expected type is the parameter
+            self._deliver(task, unique("task"), waits)
+        assert type(caught.value).__name__ == raised
+        get_store(app).release(held)

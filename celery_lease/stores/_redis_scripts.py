@@ -63,7 +63,8 @@ ACQUIRE = (
 -- ARGV[5] identity or '', ARGV[6] retention (us)
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
 --          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil}
---      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch}
+--      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate}
+--         (duplicate 1 when the holder runs this same identity, else 0)
 --      or {2, fence, result} when the identity is already done (nothing claimed)
 """
     + _NOW
@@ -100,7 +101,9 @@ if cur then
   local tok, f, a, e, label = parse(cur)
   if tonumber(e) > now then
     if tok ~= ARGV[2] then
-      return {0, label, tonumber(f), tonumber(e), now, epoch}
+      local dup = 0
+      if ist == 'running' and ifence == f then dup = 1 end
+      return {0, label, tonumber(f), tonumber(e), now, epoch, dup}
     end
     -- the same claim retried after a lost reply: hand back the same lease
     fence, acquired, exp = tonumber(f), tonumber(a), tonumber(e)

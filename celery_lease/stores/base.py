@@ -17,7 +17,9 @@ Invariants every store keeps, asserted by ``tests/stores`` against each of them:
 Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints):
 
 6. An identity recorded done is never claimed again: ``acquire`` raises ``IdentityDoneError``
-   with the recorded result, in the same round trip as the claim.
+   with the recorded result, in the same round trip as the claim. A claim that finds the
+   resource held by a live lease running the *same* identity raises ``LeaseBusyError`` with
+   ``duplicate=True`` (a copy of running work); any other holder gives ``duplicate=False``.
 7. A claim marks its identity running with its fence; ``release(outcome=...)`` records the
    outcome only if the identity still carries that fence (a newer owner's record is kept).
 8. A ledger key takes effect at most once per identity: ``effect_begin`` records an intent only
@@ -107,7 +109,8 @@ class LeaseStore(Protocol):
         ``previous_*`` fields (unless the lease itself was taken over) and ``checkpoints``.
 
         Raises:
-            LeaseBusyError: another owner's lease is live; names holder, fence and expiry.
+            LeaseBusyError: another owner's lease is live; names holder, fence and expiry, and
+                sets ``duplicate`` when that holder runs this same identity.
             IdentityDoneError: the identity already completed; carries its result.
             LeaseConfigError: bad resource name or ttl.
             LeaseStoreError: the store failed; the claim may or may not have happened.

@@ -100,7 +100,13 @@ class MemoryLeaseStore(BaseLeaseStore):
             if current is not None and current.expires_us > now:
                 if current.token != owner.token:
                     raise LeaseBusyError.held(
-                        resource, current.label, current.fence, (current.expires_us - now) / 1e6
+                        resource,
+                        current.label,
+                        current.fence,
+                        (current.expires_us - now) / 1e6,
+                        duplicate=ident is not None
+                        and ident[0] == "running"
+                        and ident[1] == current.fence,
                     )
                 record, current = current, None  # the same claim retried: the same lease
             else:

@@ -406,9 +406,15 @@ class RedisLeaseStore(BaseLeaseStore):
             result = _text(reply[2]) if reply[2] else None
             raise IdentityDoneError.completed(resource, identity, int(reply[1]), result)
         if reply[0] == 0:
-            _, label, fence, expires, now, epoch = reply
+            _, label, fence, expires, now, epoch, *dup = reply
             self._note_epoch(shard, epoch)
-            raise LeaseBusyError.held(resource, _text(label), int(fence), (expires - now) / 1e6)
+            raise LeaseBusyError.held(
+                resource,
+                _text(label),
+                int(fence),
+                (expires - now) / 1e6,
+                duplicate=bool(dup and dup[0]),
+            )
         (
             _,
             fence,

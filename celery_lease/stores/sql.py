@@ -300,7 +300,12 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                     continue
                 if h_token != owner.token:
                     raise LeaseBusyError.held(
-                        resource, h_label, int(h_fence), (h_expires - now) / 1e6
+                        resource,
+                        h_label,
+                        int(h_fence),
+                        (h_expires - now) / 1e6,
+                        # the holder runs this very identity: a duplicate of running work
+                        duplicate=i_state == "running" and i_fence == h_fence,
                     )
                 # The same claim retried after a lost reply: the same lease.
                 fence, acquired, expires, prev_fence = h_fence, h_acquired, h_expires, None

@@ -115,7 +115,7 @@ def long_original(self: Any, n: int) -> dict[str, Any]:
 
 @lease_task(app=app, resource="redeliv-{n}", bind=True, ttl=1.0, on_busy="skip")
 def long_original_skip(self: Any, n: int) -> dict[str, Any]:
-    """Negative control: a busy duplicate is acked and dropped instead of re-armed."""
+    """Negative control (with ``CL_DUPLICATE_REARM=off``): a busy duplicate is acked."""
     return _redelivery_body(self, n)
 
 

@@ -13,8 +13,9 @@ with a 2 s visibility timeout:
 
 The task must still complete exactly once: B's re-check claims the expired lease as a recovered
 run, step 1 comes back from the ledger (not applied again), step 2 is applied once, the task
-ends SUCCESS. The negative control sets ``on_busy="skip"`` (the duplicate is acked and dropped):
-after the kill nothing ever completes the task.
+ends SUCCESS. The negative control sets ``on_busy="skip"`` and turns the duplicate re-arm off in
+the workers (``CL_DUPLICATE_REARM=off``: the duplicate is acked and dropped, as before a busy
+duplicate was re-armed whatever ``on_busy`` says): after the kill nothing ever completes the task.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ def test_a_redelivered_duplicate_is_rearmed_and_completes_after_the_original_die
 def test_negative_control_a_dropped_duplicate_loses_the_task(
     it_app, make_sink, start_worker, store_env, events, coord, queue, tmp_path, request
 ):
-    """on_busy="skip" acks the redelivered duplicate: after the kill nobody completes it."""
+    """Duplicates handled as other work, on_busy="skip" acks the copy: nobody completes it."""
     env, sink = _setup(make_sink, store_env, "redis", tmp_path, request)
+    env["CL_DUPLICATE_REARM"] = "off"
     seed = random.randrange(1 << 30)
     print(f"seed={seed} N={TRIALS} store=redis ttl={TTL} visibility={VISIBILITY} on_busy=skip")
     results, _, _, seen = run_until_kill(

@@ -395,5 +395,43 @@ def gated_write(self: Any, n: int) -> int:
     return lease.fence
 
 
+def _running_duplicate_body(task: Any, n: int) -> dict[str, Any]:
+    """First run: waits to be SIGKILLed by the test. Later runs: complete."""
+    lease = current_lease()
+    attempt = coord().incr(f"{env['CL_EVENTS']}:attempts:rundup-{n}")
+    report("start", res=n, fence=lease.fence, attempt=attempt, task=task.request.id)
+    if attempt == 1:
+        coord().set(f"{env['CL_EVENTS']}:ready:{n}", os.getpid())
+        time.sleep(60)
+    report("done", res=n, fence=lease.fence, attempt=attempt)
+    return {"fence": lease.fence, "attempt": attempt, "recovered": lease.recovered}
+
+
+@lease_task(app=app, resource="rundup-{n}", bind=True, ttl=1.0, on_busy="skip")
+def running_duplicate_skip(self: Any, n: int) -> dict[str, Any]:
+    """on_busy="skip": a busy *duplicate* of it must still be re-armed."""
+    return _running_duplicate_body(self, n)
+
+
+@lease_task(app=app, resource="rundup-{n}", bind=True, ttl=1.0, on_busy="fail")
+def running_duplicate_fail(self: Any, n: int) -> dict[str, Any]:
+    """on_busy="fail": a busy *duplicate* of it must still be re-armed."""
+    return _running_duplicate_body(self, n)
+
+
+if env.get("CL_DUPLICATE_REARM") == "off":
+    # Negative control: a busy duplicate of the running execution is handled like other
+    # contention (on_busy and the busy budget apply), as before the fix.
+    from celery_lease import LeaseTask
+
+    _lease_busy = LeaseTask._lease_busy
+
+    def _busy_without_duplicates(self: Any, busy: Any, settings: Any) -> Any:
+        busy.duplicate = False
+        return _lease_busy(self, busy, settings)
+
+    LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
+
+
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).
 from tests.integration import eo_tasks as eo  # noqa: E402, F401

@@ -73,6 +73,28 @@ class TestIdentity:
         assert caught.value.holder_label == "original"
         assert store.identity_get(names + "r", "job-1").fence == first.fence
 
+    def test_a_busy_claim_says_whether_the_holder_runs_the_same_identity(self, store, names):
+        """duplicate=True only when the live holder runs this very identity."""
+        claim(store, names, owner="original", identity="job-1")
+        with pytest.raises(LeaseBusyError) as same:
+            claim(store, names, owner="copy", identity="job-1")
+        assert same.value.duplicate is True
+        with pytest.raises(LeaseBusyError) as other:
+            claim(store, names, owner="other work", identity="job-2")
+        assert other.value.duplicate is False
+        with pytest.raises(LeaseBusyError) as anonymous:
+            claim(store, names, owner="no identity", identity=None)
+        assert anonymous.value.duplicate is False
+
+    def test_a_holder_of_an_earlier_attempt_is_not_a_duplicate(self, store, names):
+        """Same identity, but the holder runs other work: that is contention, not a copy."""
+        first = claim(store, names, owner="first", identity="job-1")
+        store.release(first, outcome="retry")
+        claim(store, names, owner="holder", identity="job-2")
+        with pytest.raises(LeaseBusyError) as caught:
+            claim(store, names, owner="again", identity="job-1")
+        assert caught.value.duplicate is False
+
     def test_a_stale_owner_cannot_record_the_outcome(self, store, names):
         """The outcome is recorded only while the identity carries the releaser's fence."""
         old = claim(store, names, owner="old", ttl=SHORT)
