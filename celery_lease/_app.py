@@ -188,6 +188,11 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, worker: Any) -> None:
         app = worker.app
         settings = LeaseSettings.resolve(app.conf)  # bad settings stop the worker here
+        from ._task import LeaseTask  # (imports this module)
+
+        for task in list(app.tasks.values()):
+            if isinstance(task, LeaseTask):
+                task.lease_settings  # noqa: B018 - resolved now: a bad one stops the worker
         try:
             store = get_store(app, settings)
             warnings = store.check_health()

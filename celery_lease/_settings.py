@@ -82,7 +82,14 @@ class LeaseSettings:
         for name, value in (overrides or {}).items():
             if value is not None:
                 values[name] = value
-        return cls._validated(values)
+        settings = cls._validated(values)
+        if conf is not None:
+            _check_retention(settings, _visibility_timeout(conf))
+        elif "retention" in values and "max_runtime" in values:
+            # Without app.conf (a task being defined) only what is certain: the app may still
+            # lower the ttl, and the broker's visibility timeout is not known yet.
+            _check_retention(settings, None, ttl=float(values.get("ttl", 0.0)))
+        return settings
 
     @classmethod
     def _validated(cls, values: dict[str, Any]) -> LeaseSettings:
@@ -159,6 +166,45 @@ def _check_conf_keys(conf: Any) -> None:
                 f"app.conf.{key}{did_you_mean(key, known)} is not a celery_lease setting; "
                 f"the settings are {', '.join(sorted(known))}"
             )
+
+
+#: Seconds allowed, at the least, between a crashed run's lease expiring and the next owner's
+#: claim: the broker redelivers, the copy may wait for a busy resource or a store outage.
+REDELIVERY_ALLOWANCE = 3600.0
+
+
+def _visibility_timeout(conf: Any) -> float | None:
+    options = conf.get("broker_transport_options") or {}
+    value: Any = options.get("visibility_timeout") if isinstance(options, dict) else None
+    return float(value) if _number(value) else None
+
+
+def _check_retention(
+    settings: LeaseSettings, visibility_timeout: float | None, ttl: float | None = None
+) -> None:
+    """Identity, ledger and checkpoint records must outlive the run that wrote them.
+
+    A record expires ``retention`` after its last write. The run that wrote an effect intent
+    may go on for ``max_runtime``, crash, its lease expire ``ttl`` later, and the broker
+    redeliver the message after its visibility timeout (at least an hour is allowed for that
+    and for busy waits). If the intent is gone by then, the next owner repeats the effect
+    without asking ``reconcile_effect``.
+    """
+    retention = settings.store_options.get("retention", settings.retention)
+    ttl = settings.ttl if ttl is None else ttl
+    redelivery = max(REDELIVERY_ALLOWANCE, visibility_timeout or 0.0)
+    needed = settings.max_runtime + ttl + redelivery
+    if _number(retention) and retention >= needed:
+        return
+    shown = f"{retention:g}" if _number(retention) else show_value(retention)
+    raise LeaseConfigError(
+        f"lease_retention={shown} is shorter than one run may need its records: "
+        f"lease_max_runtime={settings.max_runtime:g} + lease_ttl={ttl:g} + {redelivery:g}s "
+        "for the broker to redeliver a crashed run (the longer of 1 h and the broker's "
+        f"visibility_timeout) = {needed:g}s. A run that outlives its records and then crashes "
+        "leaves no effect intent, so the next owner would repeat its effects. Raise "
+        f"lease_retention to at least {needed:g} or lower lease_max_runtime"
+    )
 
 
 def _check_renew_window(settings: LeaseSettings) -> None:

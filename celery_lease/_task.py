@@ -170,7 +170,9 @@ class LeaseTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
-        LeaseSettings.resolve(None, cls._lease_overrides())  # bad overrides fail at import
+        # Bad settings fail here, at import or app finalization (Celery's own Task.bind reads
+        # app.conf at this point too), not at the first run.
+        LeaseSettings.resolve(app.conf, cls._lease_overrides())
         signature = _run_signature(cls)
         if signature is not None:
             specs = {what: _raw_attr(cls, f"lease_{what}") for what in ("resource", "identity")}

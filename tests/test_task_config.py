@@ -187,3 +187,59 @@ class TestDefinitionTime:
         app.conf.lease_ttl = 0.01
         with pytest.raises(LeaseConfigError, match="too short"):
             LeaseSettings.resolve(app.conf)
+
+
+class TestRetention:
+    def test_retention_shorter_than_a_run_is_refused_at_definition(self, app):
+        """retention=3000 with max_runtime=3600: the records could expire mid-run."""
+        with pytest.raises(LeaseConfigError) as caught:
+
+            @lease_task(app=app, resource="r", retention=3000, max_runtime=3600)
+            def task():
+                pass
+
+        message = str(caught.value)
+        assert "lease_retention=3000" in message
+        assert "lease_max_runtime=3600" in message
+
+    def test_an_app_retention_shorter_than_the_default_runtime_is_refused(self, app):
+        """app.conf.lease_retention = 3600 against the default max_runtime (3600) and the
+        app's ttl (5): refused before anything is claimed, naming both values."""
+        app.conf.lease_retention = 3600
+        ran = []
+
+        @lease_task(app=app, resource="r")
+        def task():
+            ran.append(1)
+
+        with pytest.raises(
+            LeaseConfigError, match=r"lease_retention=3600 .* lease_max_runtime=3600 \+"
+        ):
+            task.apply(throw=True)
+        with pytest.raises(LeaseConfigError, match="lease_retention=3600"):
+            LeaseSettings.resolve(app.conf)  # what the worker bootstep checks at start
+        assert ran == []
+
+    def test_the_broker_visibility_timeout_counts(self, app):
+        """A redelivery may come only after the visibility timeout: it is part of the bound."""
+        app.conf.broker_transport_options = {"visibility_timeout": 43200}
+        app.conf.lease_max_runtime = 600
+        needed = 600 + 5 + 43200
+        app.conf.lease_retention = needed - 1
+        with pytest.raises(LeaseConfigError, match=f"at least {needed}"):
+            LeaseSettings.resolve(app.conf)
+        app.conf.lease_retention = needed
+        assert LeaseSettings.resolve(app.conf).retention == needed
+
+    def test_at_least_an_hour_is_allowed_for_redelivery(self, app):
+        """Without a visibility timeout: max_runtime + ttl + 3600 is the bound, inclusive."""
+        app.conf.lease_max_runtime = 600
+        app.conf.lease_retention = 600 + 5 + 3600
+        assert LeaseSettings.resolve(app.conf).retention == 4205
+        app.conf.lease_store_options = {"retention": 4204.0}  # the store's own wins: checked
+        with pytest.raises(LeaseConfigError, match="lease_retention=4204"):
+            LeaseSettings.resolve(app.conf)
+
+    def test_the_defaults_pass(self, app):
+        settings = LeaseSettings.resolve(app.conf)
+        assert settings.retention >= settings.max_runtime + settings.ttl + 3600
