@@ -57,6 +57,21 @@ class LeaseSettings:
     dedup: bool = True
     retention: float = 7 * 86400.0
 
+    def __repr__(self) -> str:
+        # Settings appear in logs and tracebacks: never with the store URL's password or a
+        # secret among the store options (dataclass leaves a __repr__ defined here alone).
+        from .stores.urls import mask_url
+
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "store_url":
+                value = mask_url(value)
+            elif f.name == "store_options":
+                value = _masked_options(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"LeaseSettings({', '.join(shown)})"
+
     @property
     def effective_renew_interval(self) -> float:
         return self.renew_interval if self.renew_interval is not None else self.ttl / 3
@@ -235,6 +250,23 @@ def _check_renew_window(settings: LeaseSettings) -> None:
         f"before it times out; the smallest ttl allowed with this renew interval and margin is "
         f"{math.ceil(smallest * 1000) / 1000:g}s"
     )
+
+
+_SECRET_KEY = ("pass", "secret", "token", "key", "auth")
+
+
+def _masked_options(options: Any) -> Any:
+    """Store options with the values of secret-looking keys (password, ...) masked."""
+    if not isinstance(options, dict):
+        return options
+    return {
+        key: "***"
+        if isinstance(key, str)
+        and any(word in key.lower() for word in _SECRET_KEY)
+        and not key.endswith("prefix")
+        else _masked_options(value)
+        for key, value in options.items()
+    }
 
 
 def _number(value: Any) -> bool:

@@ -227,6 +227,10 @@ class RedisLeaseStore(BaseLeaseStore):
         require_noeviction: make :meth:`check_health` refuse (raise) instead of warn when the
             server may evict keys (``maxmemory-policy`` other than ``noeviction``).
         require_persistence: likewise when the server persists nothing (no AOF, no RDB).
+        password: with ``url``, the password to authenticate with when the URL carries none
+            (a URL's own password wins). Keeps it out of ``lease_store_url``, which Celery's
+            ``inspect conf`` and Flower show unmasked; ``lease_store_options={"password": ...}``
+            is masked there.
     """
 
     def __init__(
@@ -242,6 +246,7 @@ class RedisLeaseStore(BaseLeaseStore):
         require_noeviction: bool = False,
         require_persistence: bool = False,
         cluster: bool = False,
+        password: str | None = None,
     ) -> None:
         super().__init__(max_ttl=max_ttl, retention=retention)
         if not isinstance(key_prefix, str) or not _PREFIX_RE.fullmatch(key_prefix):
@@ -255,15 +260,19 @@ class RedisLeaseStore(BaseLeaseStore):
             raise LeaseConfigError("RedisLeaseStore needs exactly one of client= or url=")
         if not isinstance(cluster, bool):
             raise LeaseConfigError(f"cluster must be True or False, got {show_value(cluster)}")
+        if password is not None and (client is not None or not isinstance(password, str)):
+            raise LeaseConfigError("password= is a string, and only for a store given a url=")
         self._owns_client = client is None
         if client is None:
             assert url is not None
+            auth = {} if password is None else {"password": password}
             try:
                 if cluster:
                     client = redis.cluster.RedisCluster.from_url(
                         url,
                         socket_timeout=socket_timeout,
                         socket_connect_timeout=socket_timeout,
+                        **auth,
                     )
                 else:
                     client = redis.Redis.from_url(
@@ -274,11 +283,16 @@ class RedisLeaseStore(BaseLeaseStore):
                         # retries would stall renewal past the self-fence deadline.
                         retry=Retry(NoBackoff(), 1),
                         **_LEAN_CONNECT,
+                        **auth,
                     )
             except ValueError as exc:
+                # redis-py's message may quote a piece of a password that holds an unencoded
+                # '/', '?' or '#' (as the "port"): show it only for a URL without a password.
+                detail = str(exc) if mask_url(url) == url else "the URL does not parse"
                 raise LeaseConfigError(
-                    f"bad Redis URL {mask_url(url)}: {exc}; expected redis://host:port/db, "
-                    "rediss://... or unix:///path/to/socket"
+                    f"bad Redis URL {mask_url(url)}: {detail}; expected redis://host:port/db, "
+                    "rediss://... or unix:///path/to/socket (percent-encode '/', '?', '#', '%' "
+                    "in a password: urllib.parse.quote(password, safe=''))"
                 ) from None
             except _DRIVER_ERRORS as exc:  # a cluster client asks its nodes for the slot map
                 raise LeaseStoreError(

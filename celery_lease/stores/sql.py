@@ -57,7 +57,7 @@ from .base import (
     encode_cursor,
     monotonic,
 )
-from .urls import mask_url
+from .urls import check_credentials, mask_url
 
 __all__ = ["SCHEMA_VERSION", "SQLLeaseStore"]
 
@@ -623,6 +623,7 @@ class _ThreadConnection:
 
 
 def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -> Engine:
+    check_credentials(url)
     try:
         parsed = make_url(url)
     except ArgumentError:

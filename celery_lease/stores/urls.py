@@ -12,7 +12,7 @@ from .._settings import did_you_mean
 if TYPE_CHECKING:
     from .base import LeaseStore
 
-__all__ = ["SUPPORTED_SCHEMES", "mask_url", "store_from_url"]
+__all__ = ["SUPPORTED_SCHEMES", "check_credentials", "mask_url", "store_from_url"]
 
 SUPPORTED_SCHEMES = (
     "redis://",
@@ -23,15 +23,57 @@ SUPPORTED_SCHEMES = (
     "sqlite://",
     "memory://",
 )
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/]*):(?P<pw>[^@/]*)@")
-_QUERY_PW = re.compile(r"(?i)([?&]password=)[^&]*")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+# A query password runs to the next "&name=" (a raw '&' inside it must not leak its tail).
+_QUERY_PW = re.compile(r"(?i)([?&]password=).*?(?=&[A-Za-z_][A-Za-z0-9_.\-]*=|\Z)", re.DOTALL)
+
+
+def _password_span(text: str) -> tuple[int, int] | None:
+    """Where the userinfo password of a URL is, by the widest reading any driver makes.
+
+    redis-py (``urllib.parse``) reads the password up to the *last* ``@`` of the host part,
+    SQLAlchemy up to the *first* ``@``; a password holding an unencoded ``/``, ``?`` or ``#``
+    moves where ``urllib`` thinks the host part ends. So: from the first ``:`` after ``//``
+    (the user name before it holds no ``/?#``) to the last ``@`` of the URL. This may mask
+    more than the password (an ``@`` in a query), never less.
+    """
+    scheme = _SCHEME.match(text)
+    if scheme is None:
+        return None
+    start = scheme.end()
+    at = text.rfind("@", start)
+    colon = text.find(":", start, at) if at >= 0 else -1
+    if colon < 0 or any(c in text[start:colon] for c in "/?#"):
+        return None
+    return colon + 1, at
 
 
 def mask_url(url: object) -> str:
     """Return the URL with any password replaced by ``***`` (safe to log or show)."""
     text = str(url)
-    text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text, count=1)
+    span = _password_span(text)
+    if span is not None:
+        text = f"{text[: span[0]]}***{text[span[1] :]}"
     return _QUERY_PW.sub(r"\1***", text)
+
+
+def check_credentials(url: str) -> None:
+    """Refuse a SQL URL whose password SQLAlchemy would misread.
+
+    SQLAlchemy ends the password at the first ``@``: ``user:p@ss@host`` connects as password
+    ``p`` to host ``ss@host``, and the driver's errors then quote the rest of the password.
+
+    Raises:
+        LeaseConfigError: naming the fix (percent-encode the password), quoting none of it.
+    """
+    span = _password_span(url)
+    if span is not None and "@" in url[span[0] : span[1]]:
+        raise LeaseConfigError(
+            f"the password in lease store URL {mask_url(url)!r} contains an unencoded '@': "
+            "SQLAlchemy would read the text after it as the host name. Percent-encode the "
+            "password (urllib.parse.quote(password, safe='') writes '@' as %40, '/' as %2F, "
+            "'?' as %3F, '#' as %23, '%' as %25)"
+        )
 
 
 def store_from_url(url: str, **options: Any) -> LeaseStore:
@@ -58,7 +100,7 @@ def store_from_url(url: str, **options: Any) -> LeaseStore:
 
         return RedisLeaseStore(url=url, **_checked(RedisLeaseStore, options))
     if lowered.startswith(("postgresql+psycopg://", "sqlite://")):
-        from .sql import SQLLeaseStore
+        from .sql import SQLLeaseStore  # which checks the URL's credentials first
 
         return SQLLeaseStore(url=url, **_checked(SQLLeaseStore, options))
     if lowered.startswith("memory://"):
