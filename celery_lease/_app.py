@@ -31,6 +31,7 @@ __all__ = [
     "overridden_store",
     "override_store",
     "release_all_held",
+    "store_timeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,23 @@ _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 _overrides: list[LeaseStore] = []
 
 
+def store_timeout(settings: LeaseSettings) -> float:
+    """Seconds one store call may take before it fails: ``ttl - margin - renew_interval``.
+
+    That is how long a renewal sent on time can take and still be answered before the
+    self-fence deadline, so the timeout and the promise agree: a round trip below ttl/3 (the
+    window is 5/12 of the ttl by default) never times out. Floored at ``MIN_STORE_CALL``,
+    which the settings check already demands of the window.
+    """
+    window = settings.ttl - settings.effective_margin - settings.effective_renew_interval
+    return max(MIN_STORE_CALL, window)
+
+
 def _store_options(settings: LeaseSettings) -> dict[str, Any]:
     url = settings.store_url.lower()
     options = dict(settings.store_options)
     options.setdefault("retention", settings.retention)
-    # Keep a store call well inside the self-fence margin so a renewal retry still fits.
-    timeout = min(5.0, max(MIN_STORE_CALL, settings.ttl / 4))
+    timeout = store_timeout(settings)
     if url.startswith(("redis://", "rediss://", "unix://")):
         options.setdefault("key_prefix", settings.key_prefix)
         options.setdefault("socket_timeout", timeout)

@@ -22,8 +22,9 @@ __all__ = ["MIN_STORE_CALL", "SETTINGS_DOC", "LeaseSettings", "did_you_mean"]
 ON_BUSY = ("retry", "skip", "fail")
 
 #: Seconds a store call may take before it times out, at the least (the stores' socket and
-#: statement timeouts are ttl / 4, but never below this). A renewal must be able to take that
-#: long and still be answered before the self-fence deadline, which bounds the smallest ttl.
+#: statement timeouts are ttl - margin - renew_interval, see ``_app.store_timeout``, but never
+#: below this). A renewal must be able to take that long and still be answered before the
+#: self-fence deadline, which bounds the smallest ttl.
 MIN_STORE_CALL = 0.2
 
 
