@@ -651,7 +651,14 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
     kwargs.update(options)
     try:
         engine = sa.create_engine(parsed, **kwargs)
-    except (ArgumentError, ImportError) as exc:
+    except ImportError as exc:
+        if parsed.get_backend_name() == "postgresql":  # the driver is an optional extra
+            raise LeaseConfigError(
+                f"SQLLeaseStore needs the psycopg package for PostgreSQL ({mask_url(url)}): "
+                f"pip install 'celery-lease[postgres]' ({exc})"
+            ) from None
+        raise LeaseConfigError(f"cannot use SQL lease store URL {mask_url(url)!r}: {exc}") from None
+    except ArgumentError as exc:
         raise LeaseConfigError(f"cannot use SQL lease store URL {mask_url(url)!r}: {exc}") from None
 
     @event.listens_for(engine, "connect")
