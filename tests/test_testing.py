@@ -36,7 +36,7 @@ def test_the_sample_user_suite_passes() -> None:
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "tests/user_suite"]
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "7 passed" in run.stdout
+    assert "8 passed" in run.stdout
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 from celery.contrib.testing.worker import start_worker
 
+from celery_lease import FenceGate
+
 from . import myapp
 
 pytest_plugins = ["celery_lease.testing"]
@@ -12,6 +14,7 @@ pytest_plugins = ["celery_lease.testing"]
 def _clean():
     myapp.SENT.clear()
     myapp.STEPS.clear()
+    myapp.GATE = FenceGate("memory://")  # a fresh payment gateway per test
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""What a user's own suite looks like with celery_lease.testing (run by tests/test_testing.py)."""
+"""What a user's own suite looks like with celery_lease.testing (run by tests/test_testing.py).
+
+Public names only: celery_lease and celery_lease.testing."""
 
 from __future__ import annotations
 
@@ -57,14 +59,23 @@ def test_paused_renewals_lose_the_lease_and_the_task_runs_again(worker, lease_st
     assert result.get(timeout=15) == "done"  # the re-run keeps its lease alive
 
 
+def test_a_busy_resource_is_not_run(eager, lease_store):
+    from celery_lease import LeaseBusyError, Owner
+
+    lease_store.acquire("invoice:17", Owner.fresh("another worker"), 60)
+    with pytest.raises(LeaseBusyError, match="another worker"):
+        send_invoice.delay(17).get()  # eager fails fast; a worker would wait and retry
+    assert SENT == []
+
+
 def test_stale_writes_are_refused_at_the_gate(eager, lease_store):
-    from celery_lease import StaleFenceError
+    from celery_lease import FenceGate, StaleFenceError
 
     assert send_invoice.delay(17).get() == 1
     assert send_invoice.delay(17).get() == 2
-    from .myapp import gateway
-
+    gate = FenceGate(store=lease_store)
+    gate.admit("invoice:17", 2)
     with pytest.raises(StaleFenceError):
-        gateway().admit("invoice:17", 1)  # the first holder, come back late
+        gate.admit("invoice:17", 1)  # the first holder, come back late
     lease_store.assert_no_stale_write_accepted()
-    assert_no_stale_write_accepted([(k, f) for k, f in SENT])
+    assert_no_stale_write_accepted(SENT)
