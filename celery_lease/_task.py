@@ -463,9 +463,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if settings.on_busy == "fail" and not duplicate:
             raise busy
         if settings.on_busy == "skip" and not duplicate:
-            log.warning("task %s[%s] skipped: %s", self.name, request.id, busy)
-            self._lease_event("task-lease-busy", action="skip", **_busy_fields(busy))
-            raise Ignore(str(busy))
+            self._skip(busy)
         waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits and not duplicate:
             raise LeaseBusyError(
@@ -486,6 +484,25 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         return self._requeue(busy, delay, WAITS_HEADER, waits + 1)
+
+    def _skip(self, busy: LeaseBusyError) -> None:
+        """on_busy="skip": end FAILURE with a LeaseBusyError that says why, without running.
+
+        ``Ignore`` alone stores no state, so a caller's ``result.get()`` waited forever. The
+        reason (resource, holder) is stored through the result backend first, with the chord
+        and errbacks handled as for any failure; ``Ignore`` then keeps Celery from storing
+        over it or logging a task failure with a traceback.
+        """
+        request = self.request
+        skipped = LeaseBusyError(f"skipped (on_busy='skip'): {busy}", *busy.args[1:])
+        log.warning("task %s[%s] skipped: %s", self.name, request.id, busy)
+        self._lease_event("task-lease-busy", action="skip", **_busy_fields(busy))
+        if not (self.ignore_result or getattr(request, "ignore_result", False)):
+            try:
+                self.backend.mark_as_failure(request.id, skipped, request=request)
+            except Exception:
+                log.exception("task %s[%s]: storing the skip failed", self.name, request.id)
+        raise Ignore(str(skipped))
 
     def _store_down(self, exc: LeaseStoreError, settings: LeaseSettings) -> Any:
         """The store failed at claim time: wait and try again like a busy resource."""

@@ -166,7 +166,8 @@ def test_worker_command_line_options_set_the_lease_defaults(
 
 
 def test_on_busy_fail_and_skip(it_app, start_worker, store_env, events, queue):
-    """on_busy="fail": FAILURE naming the holder; "skip": dropped, logged, the body never ran."""
+    """on_busy="fail": FAILURE naming the holder; "skip": FAILURE saying it was skipped and
+    why (a caller's get() returns instead of waiting forever), logged, the body never ran."""
     env = {**store_env("redis"), "CL_TTL": str(TTL)}
     worker = start_worker(env, queue=queue)
     store = worker_store(env)
@@ -176,12 +177,18 @@ def test_on_busy_fail_and_skip(it_app, start_worker, store_env, events, queue):
         with pytest.raises(LeaseBusyError, match="test-holder"):
             failed.get(timeout=30)
         skipped = it_app.busy_skips.apply_async((0,), queue=queue)
-        wait_for(lambda: f"{skipped.id}] skipped" in worker.log(), 30, "the skip to be logged")
+        with pytest.raises(LeaseBusyError, match="test-holder") as caught:
+            skipped.get(timeout=30)  # on main: PENDING forever, a TimeoutError after 30 s
     finally:
         store.release(holder)
         store.close()
     assert failed.state == "FAILURE"
     assert events.where(ev="failure", task=failed.id)[0]["exc"] == "LeaseBusyError"
-    assert skipped.state == "PENDING"  # Ignore stores no state
+    assert skipped.state == "FAILURE"
+    assert str(caught.value).startswith("skipped (on_busy='skip'): resource 'onbusy-0' is held")
+    assert caught.value.resource == "onbusy-0"
+    assert caught.value.holder_label.startswith("test-holder")
+    assert f"{skipped.id}] skipped" in worker.log()
+    assert not events.where(ev="failure", task=skipped.id)  # ignored: no task failure raised
     assert not events.where(ev="enter", res=0)  # neither body ran
     assert not events.where(ev="retry")  # and neither waited

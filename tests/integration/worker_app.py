@@ -294,7 +294,7 @@ def busy_fails(self: Any, n: int) -> int:
 
 @lease_task(app=app, resource="onbusy-{n}", bind=True, on_busy="skip")
 def busy_skips(self: Any, n: int) -> int:
-    """on_busy="skip": a busy resource drops the execution (Ignore)."""
+    """on_busy="skip": a busy resource ends the execution FAILURE (skipped) without running."""
     report("enter", res=n, task=self.request.id)
     return current_lease().fence
 
