@@ -9,6 +9,6 @@ python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[all,test,bench]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[all,test,bench,docs]'
 bash tests/tooling/ensure_redis.sh
 exec .venv/bin/python -m pytest "$@"
