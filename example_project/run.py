@@ -97,7 +97,7 @@ class Demo:
                 process.wait()
 
     # -- waiting -----------------------------------------------------------------------------
-    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
         deadline = time.monotonic() + timeout
         while True:
             value = check()
@@ -110,7 +110,7 @@ class Demo:
                 raise SystemExit(f"{what} did not happen in {timeout:.0f} s")
             time.sleep(0.05)
 
-    def result(self, job: Any, timeout: float = 60.0) -> Any:
+    def result(self, job: Any, timeout: float = 120.0) -> Any:
         self.wait_for(f"the result of {job.id}", job.ready, timeout)
         return job.get(propagate=True)
 
@@ -178,10 +178,10 @@ def worker_paused(demo: Demo) -> None:
         # handed a message from the shared queue by a Redis broker.
         other = next(n for n, p in demo.workers.items() if p.poll() is None and n != victim)
         second = browse.apply_async((7, "session-B", 3), queue=demo.queue(other))
-        second_fence = demo.result(second, timeout=30)
+        second_fence = demo.result(second, timeout=60)
     finally:
         os.kill(pid, signal.SIGCONT)
-    demo.result(first, timeout=60)  # A stopped acting, was retried, and finished later
+    demo.result(first)  # A stopped acting, was retried, and finished later
     refused = demo.count(
         "SELECT count(*) FROM writes WHERE resource LIKE '%browser/account-7' AND accepted = 0"
     )

@@ -36,6 +36,34 @@ def test_the_demo_injects_every_failure_and_every_invariant_holds():
     assert "all invariants held" in done.stdout
 
 
+def _db(url: str, number: int) -> str:
+    return url.rsplit("/", 1)[0] + f"/{number}"
+
+
+@pytest.mark.redis
+def test_the_demo_on_redis_store_and_broker(redis_server):
+    """The same scenarios with --store/--broker on a real redis-server (the broker hands a
+    message to a frozen worker blocked in BRPOP: the demo routes around it)."""
+    done = _run(
+        "example_project.run",
+        "--store",
+        _db(redis_server.url, 7),
+        "--broker",
+        _db(redis_server.url, 8),
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "all invariants held" in done.stdout
+    assert "lease store redis" in done.stdout
+
+
+@pytest.mark.postgres
+def test_the_demo_on_a_postgresql_store(postgres_server):
+    done = _run("example_project.run", "--store", postgres_server.url)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "all invariants held" in done.stdout
+    assert "lease store postgresql" in done.stdout
+
+
 def test_the_store_walkthrough_runs():
     done = _run("example_project.store_demo")
     assert done.returncode == 0, done.stdout + done.stderr
