@@ -8,7 +8,8 @@
     │                           force-released, renewal failed past the self-fence deadline)
     ├── StaleFenceError         a side effect saw a fence older than the newest it accepted
     ├── LeaseStoreError         the store could not be reached or answered with an error;
-    │                           the outcome of the operation is unknown
+    │                           the outcome of the operation is unknown (``refused``: the
+    │                           store refused the connection and nothing was sent)
     ├── LeaseConfigError        bad input or settings: the message names the value and the fix
     ├── IdentityDoneError       the task identity already completed (a duplicate delivery)
     ├── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
@@ -60,7 +61,16 @@ class LeaseStoreError(LeaseError):
 
     A renewal that ends in this error is *uncertain*, not lost: the owner keeps retrying until
     its self-fence deadline and then treats the lease as lost.
+
+    Attributes:
+        refused: True when the store refused the connection (nothing listens there: it is
+            down or the address is wrong) before anything of the operation was sent, so the
+            operation did not happen.
     """
+
+    def __init__(self, message: str = "", refused: bool = False) -> None:
+        super().__init__(message, refused)
+        self.refused = refused
 
 
 class LeaseBusyError(LeaseError):

@@ -48,6 +48,7 @@ class LeaseSettings:
     busy_backoff_cap: float = 60.0
     busy_backoff_jitter: float = 0.5
     busy_max_waits: int = 1000
+    store_down_max_wait: float = 600.0
     lost_max_retries: int = 5
     lost_retry_delay: float = 1.0
     key_prefix: str = "celery_lease:"
@@ -124,6 +125,7 @@ class LeaseSettings:
             "busy_backoff_cap",
             "lost_retry_delay",
             "retention",
+            "store_down_max_wait",
         ):
             if name in values:
                 values[name] = _positive(name, values[name])
@@ -302,6 +304,9 @@ SETTINGS_DOC = {
     "busy_backoff_jitter": "fraction of each busy wait that is random, 0..1 (0.5)",
     "busy_max_waits": "busy waits allowed before the task fails with LeaseBusyError; "
     "separate from max_retries (1000)",
+    "store_down_max_wait": "seconds a task waits for an unreachable store (its claim fails, "
+    "it is sent again with the busy backoff) before it fails with LeaseStoreError; separate "
+    "from busy_max_waits and max_retries (600)",
     "lost_max_retries": "re-runs after a lost lease before the task fails with "
     "LeaseLostError; separate from max_retries (5)",
     "lost_retry_delay": "seconds before a task whose lease was lost runs again (1)",

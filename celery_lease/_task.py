@@ -34,6 +34,7 @@ from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import _events as events
 from . import _failpoints as failpoints
+from . import _outage as outage
 from ._app import get_store, install, overridden_store
 from ._errors import (
     IdentityDoneError,
@@ -93,6 +94,9 @@ CELERY_DECORATOR_OPTIONS = frozenset(
 LEASE_TASK_KEYWORDS = ("resource", "identity", "reconcile", "reconcile_effect", "app", "base")
 WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
+STORE_WAITS_HEADER = "celery_lease_store_waits"
+#: When (wall clock, seconds since the epoch) this execution's claims began to fail.
+STORE_DOWN_HEADER = "celery_lease_store_down_since"
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
 
@@ -137,6 +141,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_busy_backoff_cap: float | None = None
     lease_busy_backoff_jitter: float | None = None
     lease_busy_max_waits: int | None = None
+    lease_store_down_max_wait: float | None = None
     lease_lost_max_retries: int | None = None
     lease_lost_retry_delay: float | None = None
     lease_key_prefix: str | None = None
@@ -274,6 +279,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         except LeaseStoreError as exc:
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
             return self._store_down(exc, settings)
+        if outage.down:  # (one dict test while the store is fine)
+            outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
         events.count("celery_lease_claims_total")
         lease.margin = settings.effective_margin
@@ -483,7 +490,12 @@ class LeaseTask(Task):  # type: ignore[misc]
             busy,
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
-        return self._requeue(busy, delay, WAITS_HEADER, waits + 1)
+        # The store answered: a later outage starts its own budget.
+        return self._requeue(
+            busy,
+            delay,
+            {WAITS_HEADER: waits + 1, STORE_WAITS_HEADER: None, STORE_DOWN_HEADER: None},
+        )
 
     def _skip(self, busy: LeaseBusyError) -> None:
         """on_busy="skip": end FAILURE with a LeaseBusyError that says why, without running.
@@ -505,22 +517,42 @@ class LeaseTask(Task):  # type: ignore[misc]
         raise Ignore(str(skipped))
 
     def _store_down(self, exc: LeaseStoreError, settings: LeaseSettings) -> Any:
-        """The store failed at claim time: wait and try again like a busy resource."""
+        """The store failed at claim time: wait for it, on a budget of its own.
+
+        Each attempt is sent again with the busy backoff until ``store_down_max_wait`` seconds
+        have passed since this execution's first failed claim (a message header), then the task
+        fails with a LeaseStoreError saying so. The outage is reported once per interval per
+        process (``_outage``), not once per attempt.
+        """
         request = self.request
         if request.is_eager or request.called_directly:
             raise exc
-        waits = int(_header(request, WAITS_HEADER) or 0)
-        if waits >= settings.busy_max_waits:
-            raise exc
-        delay = self._busy_delay(waits, settings)
-        log.warning(
+        store = getattr(self._compiled().store, "url", "?")
+        budget = settings.store_down_max_wait
+        outage.claim_failed(store, exc, budget)
+        now = time.time()
+        try:
+            since = float(_header(request, STORE_DOWN_HEADER) or now)
+        except (TypeError, ValueError):  # not ours: start counting now
+            since = now
+        waited = max(0.0, now - since)
+        if waited >= budget:
+            raise LeaseStoreError(
+                f"gave up claiming the lease after waiting {waited:.1f}s for the lease store, "
+                f"which {'refuses connections' if exc.refused else 'keeps failing'} "
+                f"(lease_store_down_max_wait={budget:g}s; raise it to wait longer): {exc}",
+                exc.refused,
+            ) from exc
+        waits = int(_header(request, STORE_WAITS_HEADER) or 0)
+        delay = min(self._busy_delay(waits, settings), since + budget - now)
+        log.debug(
             "task %s[%s] could not claim its lease, retrying in %.2fs: %s",
             self.name,
             request.id,
             delay,
             exc,
         )
-        return self._requeue(exc, delay, WAITS_HEADER, waits + 1)
+        return self._requeue(exc, delay, {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since})
 
     def _busy_delay(self, waits: int, settings: LeaseSettings) -> float:
         cap = settings.busy_backoff_cap
@@ -544,7 +576,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 f"{lost} (gave up after {retries} re-runs; raise lease_lost_max_retries)",
                 *lost.args[1:],
             )
-        return self._requeue(lost, settings.lost_retry_delay, LOST_HEADER, retries + 1)
+        return self._requeue(lost, settings.lost_retry_delay, {LOST_HEADER: retries + 1})
 
     def _lease_lost_in_flight(
         self,
@@ -568,11 +600,18 @@ class LeaseTask(Task):  # type: ignore[misc]
             holder=error.holder_label,
         )
 
-    def _requeue(self, exc: LeaseError, delay: float, header: str, value: int) -> Any:
-        """Send this execution again after ``delay`` without touching ``request.retries``."""
+    def _requeue(self, exc: LeaseError, delay: float, updates: dict[str, Any]) -> Any:
+        """Send this execution again after ``delay`` without touching ``request.retries``.
+
+        ``updates`` sets our budget headers on the new message (None drops one).
+        """
         request = self.request
         headers = dict(request.headers or {})
-        headers[header] = value
+        for header, value in updates.items():
+            if value is None:
+                headers.pop(header, None)
+            else:
+                headers[header] = value
         signature = self.signature_from_request(
             request, countdown=delay, retries=request.retries or 0, headers=headers
         )

@@ -32,6 +32,7 @@ Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints)
 from __future__ import annotations
 
 import builtins
+import errno
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,9 +50,36 @@ __all__ = [
     "IdentityInfo",
     "LeasePage",
     "LeaseStore",
+    "connection_refused",
     "decode_cursor",
     "encode_cursor",
 ]
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """Whether a driver error is a refused connection (ECONNREFUSED), however it is wrapped.
+
+    redis-py chains the ``ConnectionRefusedError``; libpq (psycopg) puts the system's message
+    in its own text.
+    """
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError) or (
+            isinstance(seen, OSError) and seen.errno == errno.ECONNREFUSED
+        ):
+            return True
+        if "connection refused" in str(seen).lower():
+            return True
+        # Follow the chain as a traceback shows it: an explicit cause, else an unsuppressed
+        # context.
+        if seen.__cause__ is not None:
+            seen = seen.__cause__
+        else:
+            seen = None if seen.__suppress_context__ else seen.__context__
+    return False
+
 
 #: Upper bound on a single claim's or renewal's ttl unless a store is given another ``max_ttl``.
 #: Long tasks keep short leases alive by renewing; a huge ttl only makes crash recovery slow.

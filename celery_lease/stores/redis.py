@@ -36,6 +36,7 @@ from .base import (
     BaseLeaseStore,
     IdentityInfo,
     LeasePage,
+    connection_refused,
     decode_cursor,
     encode_cursor,
     monotonic,
@@ -94,6 +95,13 @@ class _Translate:
         self.shield.__exit__()
         if exc is not None and isinstance(exc, _DRIVER_ERRORS):
             what = self.what % self.subject if self.subject is not None else self.what
+            if connection_refused(exc):
+                raise LeaseStoreError(
+                    f"Redis lease store {self.url} refused the connection during {what} "
+                    f"({type(exc).__name__}: {exc}): nothing was sent; the server is down or "
+                    "not listening at that address",
+                    True,
+                ) from exc
             raise LeaseStoreError(
                 f"Redis lease store {self.url} failed during {what}: "
                 f"{type(exc).__name__}: {exc}; the outcome is unknown"
@@ -150,8 +158,16 @@ class _Connections:
     def execute(self, *command: Any) -> Any:
         if self.pool is None:
             return self.client.execute_command(*command)
+        first: redis.exceptions.ConnectionError | None = None
         for attempt in (1, 2):
-            conn = self._held()
+            try:
+                conn = self._held()
+            except redis.exceptions.ConnectionError:
+                if first is None or connection_refused(first):
+                    raise
+                # Refused now, but the first attempt may have reached the server: its error
+                # (the outcome is unknown) is the one to report, not "refused".
+                raise first from None
             try:
                 if self.pack is not None:
                     conn.send_packed_command((self.pack(command),), check_health=False)
@@ -160,10 +176,17 @@ class _Connections:
                 return conn.read_response()
             except redis.exceptions.ResponseError:
                 raise  # a reply was read: the connection is in a clean state
-            except redis.exceptions.ConnectionError:
+            except redis.exceptions.ConnectionError as exc:
                 self._drop(conn)
                 if attempt == 2:
+                    if (
+                        first is not None
+                        and connection_refused(exc)
+                        and not connection_refused(first)
+                    ):
+                        raise first from None  # (as above)
                     raise
+                first = exc
             except BaseException:
                 self._drop(conn)
                 raise

@@ -53,6 +53,7 @@ from .base import (
     DEFAULT_RETENTION,
     BaseLeaseStore,
     LeasePage,
+    connection_refused,
     decode_cursor,
     encode_cursor,
     monotonic,
@@ -186,13 +187,22 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
 
     # -- plumbing --------------------------------------------------------------------------
     @contextmanager
-    def _translate(self, what: str) -> Iterator[None]:
+    def _translate(self, what: str, first_attempt: bool = True) -> Iterator[None]:
         try:
             yield
         except (SQLAlchemyError, self._dbapi_error) as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            # A refusal on a retry follows a dropped connection that may have run the statement.
+            if first_attempt and connection_refused(exc):
+                raise LeaseStoreError(
+                    f"SQL lease store {self.url} refused the connection during {what} "
+                    f"({type(exc).__name__}: {first_line}): nothing was sent; the server is "
+                    "down or not listening at that address",
+                    True,
+                ) from exc
             raise LeaseStoreError(
                 f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}; the outcome is unknown"
+                f"{first_line}; the outcome is unknown"
             ) from exc
 
     def _run(self, what: str, work: Callable[[Any], T]) -> T:
@@ -206,7 +216,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         token returns the same lease).
         """
         for attempt in (1, 2):
-            with shielded(), self._translate(what):
+            with shielded(), self._translate(what, attempt == 1):
                 if self._serial is not None:
                     self._serial.acquire()
                 try:

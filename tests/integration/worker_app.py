@@ -46,6 +46,8 @@ app.conf.update(
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
 )
+if env.get("CL_STORE_DOWN_MAX_WAIT"):
+    app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 if env.get("CL_VISIBILITY"):
     # A short visibility timeout makes the Redis transport redeliver a message whose worker
     # has not acked it within that time (a long task, or a worker that died), checked every
