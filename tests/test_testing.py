@@ -96,11 +96,11 @@ def test_assert_no_stale_write_accepted(writes, stale) -> None:
 
 
 FROZEN = """
-import datetime, os, sys, threading
+import datetime, os, sys, threading, time
 sys.path.insert(0, os.getcwd())
 import freezegun
 import celery_lease.testing
-from celery_lease.testing import using_store
+from celery_lease.testing import TestLeaseStore, using_store
 if os.environ["CONTROL"] == "1":  # what freezegun does without celery_lease's ignore entry
     freezegun.configure(default_ignore_list=[
         n for n in freezegun.config.settings.default_ignore_list if n != "celery_lease"
@@ -108,15 +108,25 @@ if os.environ["CONTROL"] == "1":  # what freezegun does without celery_lease's i
 from tests.user_suite import myapp
 myapp.app.conf.task_always_eager = True
 frozen = freezegun.freeze_time(datetime.datetime(2030, 1, 1))
-timer = threading.Timer(0.3, frozen.start)  # the test freezes the clock while a task runs
-with using_store():
-    timer.start()
+store = TestLeaseStore()
+
+
+def freeze_once_claimed():  # the test freezes the clock while the task holds its lease
+    deadline = time.monotonic() + 30
+    while store.get("browser/account-1") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    frozen.start()
+
+
+freezer = threading.Thread(target=freeze_once_claimed)
+with using_store(store):
+    freezer.start()
     try:
         print(myapp.drive_browser.delay(1, 1.5).get())
     except Exception as exc:
         print(type(exc).__name__)
     finally:
-        timer.join()
+        freezer.join()
         frozen.stop()
 """
 
