@@ -4,6 +4,9 @@ Key layout (every key is fixed per shard, resource names are only hash fields an
 so no user input ever becomes part of a lease key name or pattern)::
 
     <prefix>{NN}:leases    hash   resource -> "<token> <fence> <acquired_us> <expires_us> <label>"
+                                  followed, when the claim recovered earlier work, by
+                                  "\n<prev_fence>\n<identity_state>\n<prev_label>" (the recovery
+                                  facts, so a claim retried after a lost reply returns them too)
     <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
     <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset), and
                                   "!epoch" -> server time (us) when the shard was first written
@@ -34,8 +37,9 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function fmt(n) return string.format('%.0f', n) end
 """
 _PARSE = """
+-- token, fence, acquired, expires, label, tail ('' or the recovery facts, see the key layout)
 local function parse(rec)
-  return string.match(rec, '^(%x+) (%d+) (%d+) (%d+) (.*)$')
+  return string.match(rec, '^(%x+) (%d+) (%d+) (%d+) ([^\\n]*)(.*)$')
 end
 """
 _IDENT = """
@@ -97,16 +101,25 @@ local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local prev_label, prev_fence = false, false
 local fence = nil
 local acquired, exp = now, now + tonumber(ARGV[4])
+local ckpt = false
 if cur then
-  local tok, f, a, e, label = parse(cur)
+  local tok, f, a, e, label, tail = parse(cur)
   if tonumber(e) > now then
     if tok ~= ARGV[2] then
       local dup = 0
       if ist == 'running' and ifence == f then dup = 1 end
       return {0, label, tonumber(f), tonumber(e), now, epoch, dup}
     end
-    -- the same claim retried after a lost reply: hand back the same lease
+    -- the same claim retried after a lost reply: hand back the same lease with the recovery
+    -- facts the first attempt found (its identity record is ours now; the facts are the tail)
     fence, acquired, exp = tonumber(f), tonumber(a), tonumber(e)
+    ist, ifence, ilabel = false, false, false
+    local pf, st, pl = string.match(tail, '^\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+    if pf and pf ~= '' then prev_label, prev_fence = pl, tonumber(pf) end
+    if st and st ~= '' then
+      ist = st
+      if member then ckpt = redis.call('HGET', KEYS[6], member) end
+    end
   else
     prev_label, prev_fence = label, tonumber(f)
   end
@@ -115,18 +128,23 @@ if not fence then
   fence = tonumber(got[1] or '0') + 1
   if fence < now then fence = now end
   local fs = fmt(fence)
-  redis.call('HSET', KEYS[3], ARGV[1], fs)
-  redis.call('HSET', KEYS[1], ARGV[1],
-    ARGV[2] .. ' ' .. fs .. ' ' .. fmt(now) .. ' ' .. fmt(exp) .. ' ' .. ARGV[3])
-  redis.call('ZADD', KEYS[2], exp, ARGV[1])
-end
-local ckpt = false
-if member then
   if ident and tonumber(ifence) ~= fence then
-    ckpt = redis.call('HGET', KEYS[6], member)
+    ckpt = redis.call('HGET', KEYS[6], member)  -- an earlier attempt of this identity
   else
     ist, ifence, ilabel = false, false, false
   end
+  local rec = ARGV[2] .. ' ' .. fs .. ' ' .. fmt(now) .. ' ' .. fmt(exp) .. ' ' .. ARGV[3]
+  if prev_fence or ist then  -- keep what a retried claim must report (see the key layout)
+    local pf, pl = prev_fence, prev_label
+    if not pf then pf, pl = ifence, ilabel end
+    rec = rec .. '\\n' .. (pf and fmt(tonumber(pf)) or '') .. '\\n' .. (ist or '') .. '\\n' ..
+      (pl or '')
+  end
+  redis.call('HSET', KEYS[3], ARGV[1], fs)
+  redis.call('HSET', KEYS[1], ARGV[1], rec)
+  redis.call('ZADD', KEYS[2], exp, ARGV[1])
+end
+if member then
   local rec = 'running\\n' .. fmt(fence) .. '\\n' .. ARGV[2] .. '\\n' .. ARGV[3] .. '\\n'
   redis.call('HSET', KEYS[4], member, rec)
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), member)
@@ -158,7 +176,7 @@ for i = 1, #KEYS / 3 do
       out[#out + 1] = {0, 'released'}
     end
   else
-    local ctok, cf, a, e, label = parse(cur)
+    local ctok, cf, a, e, label, tail = parse(cur)
     if ctok ~= tok or cf ~= fence then
       out[#out + 1] = {0, 'taken_over', label, tonumber(cf)}
     elseif tonumber(e) <= now then
@@ -167,7 +185,7 @@ for i = 1, #KEYS / 3 do
       out[#out + 1] = {1, tonumber(e)}
     else
       local exp = now + tonumber(ttl)
-      local rec = ctok .. ' ' .. cf .. ' ' .. a .. ' ' .. fmt(exp) .. ' ' .. label
+      local rec = ctok .. ' ' .. cf .. ' ' .. a .. ' ' .. fmt(exp) .. ' ' .. label .. tail
       redis.call('HSET', leases, res, rec)
       redis.call('ZADD', expiry, exp, res)
       out[#out + 1] = {1, exp}

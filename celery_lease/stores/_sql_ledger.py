@@ -21,8 +21,24 @@ __all__ = ["ClaimRow", "SQLLedgerMixin"]
 #: Normalised answer of a claim (with or without identity):
 #: (claimed, marked, fence, acquired, expires, prev_label, prev_fence,
 #:  holder_token, holder_label, holder_fence, holder_acquired, holder_expires,
-#:  ident_state, ident_fence, ident_label, ident_result, checkpoints, now)
+#:  ident_state, ident_fence, ident_label, ident_result, checkpoints, now,
+#:  holder_prev_label, holder_prev_fence)
 ClaimRow = tuple[Any, ...]
+
+
+def recovery_facts(ident: tuple[Any, ...]) -> str | None:
+    """What a claim recovers from the identity row it found (state, fence, owner_label, ...),
+    kept in its running row's result so that the same claim retried can report it again."""
+    state, fence, label = ident[:3]
+    return None if state is None else f"{state}\n{fence}\n{label}"
+
+
+def recovered_from(facts: str | None) -> tuple[str | None, int | None, str | None]:
+    """(state, fence, label) of the earlier attempt, from :func:`recovery_facts`."""
+    if not facts:
+        return None, None, None
+    state, fence, label = facts.split("\n", 2)
+    return state, int(fence), label
 
 
 class SQLLedgerMixin:
@@ -59,7 +75,7 @@ class SQLLedgerMixin:
             cursor.execute(sql.ident_read, params)
             ident = cursor.fetchone() or (None, None, None, None)
             if ident[0] == "done":
-                return (0, 0, *([None] * 10), *ident, None, None)
+                return (0, 0, *([None] * 10), *ident, None, None, None, None)
             cursor.execute(self.sql.acquire, params)
             claim = cursor.fetchone()
             if claim is None:
@@ -67,17 +83,25 @@ class SQLLedgerMixin:
                 holder = cursor.fetchone()
                 if holder is None:
                     return None
-                _, fence, acquired, expires, label, _, token, now = holder
+                _, fence, acquired, expires, label, _, token, now, h_prev_label, h_prev_fence = (
+                    holder
+                )
+                ckpt = None
+                if token == params["t"]:  # our own claim retried: it reports the checkpoints
+                    cursor.execute(sql.ckpt_read, params)
+                    ckpt = cursor.fetchone()
                 return (
-                    0, 0, *([None] * 5), token, label, fence, acquired, expires, *ident, None, now
+                    0, 0, *([None] * 5), token, label, fence, acquired, expires, *ident,
+                    ckpt[0] if ckpt else None, now, h_prev_label, h_prev_fence,
                 )  # fmt: skip
             fence, acquired, expires, prev_label, prev_fence = claim
-            cursor.execute(sql.mark, {**params, "f": fence})
+            cursor.execute(sql.mark, {**params, "f": fence, "facts": recovery_facts(ident)})
             cursor.execute(sql.ckpt_read, params)
             ckpt = cursor.fetchone()
             return (
                 1, 1, fence, acquired, expires, prev_label, prev_fence,
                 None, None, None, None, None, *ident, ckpt[0] if ckpt else None, acquired,
+                None, None,
             )  # fmt: skip
 
     def _release_outcome(self, cursor: Any, params: dict[str, Any]) -> int:
@@ -214,4 +238,6 @@ class SQLLedgerMixin:
         if row is None:
             return None
         state, fence, label, result, expires = row
+        if state == "running":
+            result = None  # a running row keeps its claim's recovery facts there
         return IdentityInfo(resource, ident, state, int(fence), label, result, from_micros(expires))

@@ -4,7 +4,9 @@ Tables (names prefixed like the lease table, all keyed by resource first):
 
 * ``identities (resource, identity)``: state running / retry / failed / done, the fence of the
   run that wrote it, its owner label, the JSON result of a done run, and ``expires_us``
-  (retention).
+  (retention). A running row's ``result`` holds what its claim recovered instead,
+  ``"<state>\\n<fence>\\n<label>"`` of the earlier attempt (or NULL), so that the same claim
+  retried after a lost reply reports it again; ``identity_get`` does not show it.
 * ``ledger (resource, identity, key)``: state intent / done, fence, JSON receipt, expires_us.
 * ``checkpoints (resource, identity)``: fence and JSON of all steps, expires_us.
 
@@ -42,7 +44,7 @@ class LedgerStatements:
             {{source}}
             ON CONFLICT (resource, identity) DO UPDATE SET state = 'running',
                 fence = excluded.fence, owner_token = excluded.owner_token,
-                owner_label = excluded.owner_label, result = NULL,
+                owner_label = excluded.owner_label, result = excluded.result,
                 expires_us = excluded.expires_us
             WHERE d.state <> 'done' OR d.expires_us <= excluded.expires_us - {p("ret")}"""
         self.ckpt_read = f"""
@@ -87,7 +89,7 @@ class LedgerStatements:
         if dialect == "sqlite":
             self.mark = mark.format(
                 source=f"VALUES ({p('r')}, {p('i')}, 'running', {p('f')}, {p('t')}, {p('l')}, "
-                f"NULL, {now} + {p('ret')})"
+                f"{p('facts')}, {now} + {p('ret')})"
             )
             self.ledger_intent = ledger_upsert.format(
                 source=f"VALUES ({p('r')}, {p('i')}, {p('k')}, 'intent', {p('f')}, {p('t')}, "
@@ -109,7 +111,9 @@ class LedgerStatements:
             mark AS ({
             mark.format(
                 source=f'''
-                SELECT {p("r")}, {p("i")}, 'running', claim.fence, {p("t")}, {p("l")}, NULL,
+                SELECT {p("r")}, {p("i")}, 'running', claim.fence, {p("t")}, {p("l")},
+                       (SELECT o.state || chr(10) || o.fence || chr(10) || o.owner_label
+                        FROM old_ident AS o),
                        clk.us + {p("ret")}
                 FROM claim, clk'''
             )
@@ -118,7 +122,7 @@ class LedgerStatements:
                    c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
                    h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
                    o.state, o.fence, o.owner_label, o.result,
-                   ({self.ckpt_read}), (SELECT us FROM clk)
+                   ({self.ckpt_read}), (SELECT us FROM clk), h.prev_label, h.prev_fence
             FROM (SELECT 1) AS one
             LEFT JOIN claim AS c ON true
             LEFT JOIN {t} AS h ON h.resource = {p("r")} AND NOT EXISTS (SELECT 1 FROM claim)

@@ -35,7 +35,8 @@ class Statements:
         self._p = p
         t = table
         # The claim: insert, or take over a released or expired row, bumping the fence. The
-        # previous owner is recorded in the same row (prev_*) when the row was never released.
+        # previous owner is recorded in the same row (prev_*) when the row was never released;
+        # the holder's prev_* tell a claim retried after a lost reply what the first found.
         upsert = f"""
             INSERT INTO {t} AS l
                 (resource, owner_token, owner_label, fence, acquired_us, expires_us)
@@ -61,10 +62,11 @@ class Statements:
                 WITH clk AS (SELECT {now} AS us),
                 claim AS ({claim})
                 SELECT 1, fence, acquired_us, expires_us, prev_label, prev_fence,
-                       NULL::varchar, (SELECT us FROM clk) FROM claim
+                       NULL::varchar, (SELECT us FROM clk), NULL::varchar, NULL::bigint
+                FROM claim
                 UNION ALL
                 SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token,
-                       (SELECT us FROM clk)
+                       (SELECT us FROM clk), prev_label, prev_fence
                 FROM {t} WHERE resource = {p("r")} AND NOT EXISTS (SELECT 1 FROM claim)"""
         else:
             self.acquire = upsert.format(
@@ -72,7 +74,8 @@ class Statements:
                 f"FROM (SELECT {now} AS us) AS n WHERE true"
             )
             self.holder = f"""
-                SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token, {now}
+                SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token, {now},
+                       prev_label, prev_fence
                 FROM {t} WHERE resource = {p("r")}"""
         self.renew_one = f"""
             UPDATE {t} SET expires_us = {now} + {p("ttl")}

@@ -40,6 +40,9 @@ class _Record:
     fence: int
     acquired_us: int
     expires_us: int
+    #: What the claim recovered (previous label, previous fence, identity state), kept so that
+    #: the same claim retried returns it again.
+    recovery: tuple[str | None, int | None, str | None] | None = None
 
     def info(self, resource: str, now_us: int) -> LeaseInfo:
         return LeaseInfo(
@@ -108,19 +111,30 @@ class MemoryLeaseStore(BaseLeaseStore):
                         and ident[0] == "running"
                         and ident[1] == current.fence,
                     )
-                record, current = current, None  # the same claim retried: the same lease
+                # The same claim retried: the same lease and what the first attempt recovered.
+                record = current
+                label, fence, state = record.recovery or (None, None, None)
+                previous = None if fence is None else (label, fence)
+                checkpoints = None
+                if identity is not None and state is not None:
+                    ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
+                    checkpoints = decode(ckpt[1]) if ckpt else None
             else:
                 fence = self._fences.get(resource, 0) + 1
                 self._fences[resource] = fence
                 record = _Record(owner.token, owner.label, fence, now, now + round(ttl * 1e6))
                 self._leases[resource] = record
-            previous = None if current is None else (current.label, current.fence)
-            checkpoints = None
-            if identity is not None:
-                if ident is not None and ident[1] != record.fence:
+                previous = None if current is None else (current.label, current.fence)
+                checkpoints = None
+                state = None
+                if identity is not None and ident is not None:
                     previous = previous or (ident[2], ident[1])
+                    state = ident[0]
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
+                if previous is not None or state is not None:
+                    record.recovery = (*(previous or (None, None)), state)
+            if identity is not None:
                 self._ids[(resource, identity)] = [
                     "running",
                     record.fence,
@@ -141,7 +155,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             previous_owner_label=None if previous is None else previous[0],
             previous_fence=None if previous is None else previous[1],
             identity=identity,
-            identity_state=None if ident is None else ident[0],
+            identity_state=state,
             checkpoints=checkpoints,
         )
 

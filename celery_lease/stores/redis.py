@@ -224,7 +224,8 @@ class _Connections:
 log = logging.getLogger(__name__)
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
-_RECORD_RE = re.compile(r"([0-9a-f]+) (\d+) (\d+) (\d+) (.*)", re.DOTALL)
+# token, fence, acquired, expires, label; then maybe the recovery facts (see _redis_scripts)
+_RECORD_RE = re.compile(r"([0-9a-f]+) (\d+) (\d+) (\d+) ([^\n]*)(?:\n.*)?", re.DOTALL)
 
 
 def _text(value: Any) -> str:

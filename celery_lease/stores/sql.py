@@ -46,7 +46,7 @@ from .._lease import Lease, LeaseInfo, Owner, from_micros
 from .._ledger import decode
 from .._names import validate_identifier, validate_resource
 from . import _sql_statements as stmts
-from ._sql_ledger import SQLLedgerMixin
+from ._sql_ledger import SQLLedgerMixin, recovered_from
 from ._sql_ledger_statements import LedgerStatements
 from .base import (
     DEFAULT_MAX_TTL,
@@ -295,7 +295,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
              h_fence, h_acquired, h_expires, i_state, i_fence, i_label, i_result, ckpt,
-             now) = row  # fmt: skip
+             now, h_prev_label, h_prev_fence) = row  # fmt: skip
             if identity is not None and not claimed and i_state == "done":
                 raise IdentityDoneError.completed(resource, identity, i_fence, i_result)
             if claimed and not marked:
@@ -317,9 +317,12 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                         # the holder runs this very identity: a duplicate of running work
                         duplicate=i_state == "running" and i_fence == h_fence,
                     )
-                # The same claim retried after a lost reply: the same lease.
-                fence, acquired, expires, prev_fence = h_fence, h_acquired, h_expires, None
-                i_state = i_fence = None
+                # The same claim retried after a lost reply: the same lease, and what the first
+                # attempt recovered (the lease row's prev_*, the identity row's hidden facts).
+                fence, acquired, expires = h_fence, h_acquired, h_expires
+                prev_label, prev_fence = h_prev_label, h_prev_fence
+                ours = i_state == "running" and i_fence == h_fence
+                i_state, i_fence, i_label = recovered_from(i_result if ours else None)
             if prev_fence is None and i_state is not None and i_fence != fence:
                 prev_label, prev_fence = i_label, i_fence  # an earlier attempt never finished
             else:
@@ -374,18 +377,22 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 row = cursor.fetchone()
                 if row is not None:
                     fence, acquired, expires, prev_label, prev_fence = row
-                    row = (1, fence, acquired, expires, prev_label, prev_fence, None, acquired)
+                    row = (1, fence, acquired, expires, prev_label, prev_fence, None, acquired,
+                           None, None)  # fmt: skip
                 else:
                     cursor.execute(self.sql.holder, params)
                     row = _one(cursor)
         if row is None:
             return None
-        ok, fence, acquired, expires, label, prev_fence, token, now = row
+        ok, fence, acquired, expires, label, prev_fence, token, now, h_prev_label, h_prev_fence = (
+            row
+        )
         nothing = (None, None, None, None, None)
         if ok:
             return (1, 1, fence, acquired, expires, label, prev_fence, *nothing[:5], *nothing[:4],
-                    None, now)  # fmt: skip
-        return (0, 0, *nothing, token, label, fence, acquired, expires, *nothing[:4], None, now)
+                    None, now, None, None)  # fmt: skip
+        return (0, 0, *nothing, token, label, fence, acquired, expires, *nothing[:4], None, now,
+                h_prev_label, h_prev_fence)  # fmt: skip
 
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None

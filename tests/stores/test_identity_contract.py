@@ -190,6 +190,68 @@ class TestCheckpoints:
         assert third.checkpoints == {"step": "new"}
 
 
+def facts(lease):
+    """What a claim reports about the lease and the work it recovers."""
+    return (
+        lease.fence,
+        lease.acquired_at,
+        lease.expires_at,
+        lease.recovered,
+        lease.previous_owner_label,
+        lease.previous_fence,
+        lease.identity_state,
+        lease.checkpoints,
+    )
+
+
+class TestRetriedClaim:
+    """A claim repeated by the same owner (the store's retry after a lost reply) returns what
+    the first attempt returned: the same lease and the same recovery facts."""
+
+    def test_a_fresh_claim_retried_recovers_nothing(self, store, names):
+        """No earlier work: the retry reports none either (not its own running record)."""
+        owner = Owner.new("w1")
+        first = store.acquire(names + "r", owner, LONG, identity="job-1")
+        again = store.acquire(names + "r", owner, LONG, identity="job-1")
+        assert facts(again) == facts(first)
+        assert not again.recovered and again.identity_state is None
+
+    def test_a_takeover_retried_still_names_the_expired_owner(self, store, names):
+        """Lease-level recovery (no identity): previous owner and fence come back again."""
+        crashed = claim(store, names, owner="crashed", identity=None, ttl=SHORT)
+        expire(store, names + "r")
+        owner = Owner.new("next")
+        first = store.acquire(names + "r", owner, LONG)
+        again = store.acquire(names + "r", owner, LONG)
+        assert first.previous_fence == crashed.fence
+        assert facts(again) == facts(first)
+
+    def test_an_unfinished_identity_retried_keeps_state_and_checkpoints(self, store, names):
+        """Identity recovery: state, previous fence and checkpoints come back again."""
+        earlier = claim(store, names, owner="earlier")
+        store.checkpoint(earlier, json.dumps({"page": 2}))
+        store.release(earlier, outcome="retry")
+        owner = Owner.new("next")
+        first = store.acquire(names + "r", owner, LONG, identity="job-1")
+        again = store.acquire(names + "r", owner, LONG, identity="job-1")
+        assert (first.identity_state, first.previous_fence) == ("retry", earlier.fence)
+        assert first.checkpoints == {"page": 2}
+        assert facts(again) == facts(first)
+
+    def test_a_crashed_identity_retried_reports_lease_and_identity(self, store, names):
+        """Both kinds at once (expired lease, running identity): the same facts again."""
+        crashed = claim(store, names, owner="crashed", ttl=SHORT)
+        store.checkpoint(crashed, json.dumps({"page": 5}))
+        expire(store, names + "r")
+        owner = Owner.new("next")
+        first = store.acquire(names + "r", owner, LONG, identity="job-1")
+        again = store.acquire(names + "r", owner, LONG, identity="job-1")
+        assert (first.previous_owner_label, first.previous_fence) == ("crashed", crashed.fence)
+        assert first.identity_state == "running" and first.checkpoints == {"page": 5}
+        assert facts(again) == facts(first)
+        assert store.identity_get(names + "r", "job-1").result is None  # the facts stay hidden
+
+
 class TestRetention:
     def test_records_expire_after_the_retention(self, request, tmp_path, names):
         """With a tiny retention a done identity is forgotten and runs again."""

@@ -77,6 +77,8 @@ class Held:
     label: str
     fence: int
     expired: bool
+    #: (label, fence) of the owner its claim took over, reported again by a retried claim
+    previous: tuple[str | None, int | None] = (None, None)
 
 
 class StoreModel:
@@ -108,7 +110,13 @@ class StoreModel:
         return "", None
 
     def claimed(self, r: int, lease: Lease) -> None:
-        self.holder[r] = Held(lease.owner.token, lease.owner_label, lease.fence, expired=False)
+        self.holder[r] = Held(
+            lease.owner.token,
+            lease.owner_label,
+            lease.fence,
+            expired=False,
+            previous=(lease.previous_owner_label, lease.previous_fence),
+        )
         self.floor[r] = lease.fence
         self.fences[r].append(lease.fence)
 
@@ -152,9 +160,9 @@ class LeaseMachine(RuleBasedStateMachine):
             return None
         lease = self.store.acquire(self.name(r), owner, ttl)
         assert lease.resource == self.name(r) and lease.owner == owner
-        if live is not None:  # the same owner's claim retried: the same lease, no new fence
-            assert lease.fence == live.fence
-            assert not lease.recovered
+        if live is not None:  # the same owner's claim retried: the same lease, no new fence,
+            assert lease.fence == live.fence  # and what the first claim recovered, again
+            assert (lease.previous_owner_label, lease.previous_fence) == live.previous
             return lease
         floor = self.model.floor[r]
         assert floor is None or lease.fence > floor, f"fence {lease.fence} not above {floor}"

@@ -9,6 +9,7 @@
         proxy.heal()           # traffic flows again
         proxy.set_latency(0.2) # every chunk waits 0.2 s in each direction (RTT + 0.4 s)
         proxy.reset_all()      # every connection is closed abruptly (RST), like a dead peer
+        proxy.lose_replies(1)  # the next reply is dropped and its connection reset
 
 One background thread runs a ``selectors`` loop over the listener and every connection pair; the
 control methods hand their work to that thread and wait until it is done, so when
@@ -26,6 +27,9 @@ Faults:
   corrupt stream, so ``heal()`` resets them and only untouched ones carry on.
 * ``set_latency(seconds)`` delays each forwarded chunk by ``seconds`` one way, keeping order.
 * ``reset_all()`` closes both sides of every connection with ``SO_LINGER 0`` (a TCP RST).
+* ``lose_replies(n)``: the next ``n`` chunks the server sends are dropped and their connection
+  reset, so the request did reach the server and run there but the client never hears back
+  (the "lost reply" a store's own retry must survive). ``replies_lost`` counts them.
 
 Only loopback targets are accepted: the tests never send traffic off the machine.
 """
@@ -100,6 +104,8 @@ class TcpProxy:
         self._blackholed = False
         self._drop = False
         self._latency = 0.0
+        self._lose_replies = 0
+        self.replies_lost = 0  #: server replies dropped by lose_replies()
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
@@ -200,6 +206,16 @@ class TcpProxy:
 
         def apply() -> None:
             self._latency = float(seconds)
+
+        self._call(apply)
+
+    def lose_replies(self, count: int = 1) -> None:
+        """Drop the next ``count`` chunks sent by the server and reset their connections."""
+        if count < 0:
+            raise ValueError("count must be >= 0")
+
+        def apply() -> None:
+            self._lose_replies = int(count)
 
         self._call(apply)
 
@@ -375,6 +391,11 @@ class TcpProxy:
             return
         if self._blackholed:  # drop mode: the bytes are lost and the stream is broken
             pair.damaged = True
+            return
+        if side is pair.upstream and self._lose_replies > 0:  # a reply lost on its way back
+            self._lose_replies -= 1
+            self.replies_lost += 1
+            self._close_pair(pair, reset=True)
             return
         other.outbox.append((time.monotonic() + self._latency, chunk))
         other.outbox_bytes += len(chunk)

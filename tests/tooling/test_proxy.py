@@ -161,6 +161,22 @@ class TestFaults:
         client.close()
         direct.close()
 
+    def test_lose_replies_runs_the_request_but_loses_its_answer(self, proxy, redis_server):
+        """The command reaches the server and runs; the client gets a reset, not the reply."""
+        client = client_for(proxy, redis_server.url, timeout=5)
+        direct = redis.Redis.from_url(redis_server.url)
+        key = unique("proxy:")
+        assert client.ping()
+        proxy.lose_replies(1)
+        with pytest.raises(redis.ConnectionError):
+            client.incr(key)
+        assert proxy.replies_lost == 1
+        assert direct.get(key) == b"1"  # it ran
+        assert client.incr(key) == 2  # one reply only: the next call goes through
+        direct.delete(key)
+        client.close()
+        direct.close()
+
     def test_latency_delays_each_direction(self, proxy, redis_server):
         """set_latency(d) adds about 2*d to a round trip; 0 takes it away."""
         client = client_for(proxy, redis_server.url, timeout=5)
