@@ -11,9 +11,7 @@ import builtins
 import hashlib
 import inspect
 import logging
-import os
 import re
-import threading
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +28,7 @@ from .._lease import Lease, LeaseInfo, Owner, from_micros
 from .._ledger import decode
 from .._names import show_value, validate_resource
 from . import _redis_scripts as lua
+from ._connections import FreeList
 from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -76,6 +75,9 @@ _LEAN_CONNECT.update(
 # no node serves.
 _DRIVER_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
+# The client pool's limit for a client the store creates: far above what the free lists keep.
+_MAX_CONNECTIONS = 10_000
+
 _KEY_KINDS = ("leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
 
 
@@ -111,8 +113,8 @@ class _Translate:
 class _Script:
     """A Lua script of one store: EVALSHA, loading it once when the server lacks it.
 
-    Sent on the store's per-thread connection (see :class:`_Connections`) rather than through
-    redis-py's client layer, which cost more CPU per call than the round trip itself.
+    Sent on a connection of the store's free list (see :class:`_Connections`) rather than
+    through redis-py's client layer, which cost more CPU per call than the round trip itself.
     """
 
     __slots__ = ("connections", "sha", "source")
@@ -122,34 +124,41 @@ class _Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
-    def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def __call__(
+        self, keys: Sequence[str], args: Sequence[Any], via: _Connections | None = None
+    ) -> Any:
+        connections = self.connections if via is None else via
         try:
-            return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+            return connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
             # The server lost its script cache (a restart). SCRIPT LOAD + EVALSHA, not EVAL:
             # the least-privilege ACL grants evalsha and script|load only.
-            self.load()
-            return self.connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+            self.load(connections)
+            return connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
 
-    def load(self) -> None:
+    def load(self, via: _Connections | None = None) -> None:
         """Make sure the server has the script (one round trip)."""
-        self.sha = self.connections.load_script(self.source)
+        self.sha = (self.connections if via is None else via).load_script(self.source)
 
 
 class _Connections:
-    """One connection per thread, taken from the client's pool and kept checked out.
+    """Connections of the client's pool, taken from a free list for each command.
 
-    A connection that fails or is interrupted mid-command is disconnected (never reused with a
-    reply pending) and replaced; a connection error is tried once more on a fresh connection
-    (every store operation is safe to repeat). For clients without a plain connection pool
-    (Redis Cluster, sentinels), commands go through the client as usual.
+    Each command takes the most recently used idle connection (or opens one) and gives it back
+    when its reply is read, so a process holds no more connections than it has commands in flight
+    at its busiest (at most ``MAX_IDLE`` of them idle), under every pool, gevent included (see
+    :mod:`._connections`). A connection that fails or is interrupted mid-command is disconnected,
+    never reused with a reply pending; a connection error also closes the idle ones (the server
+    likely restarted) and is tried once more on a fresh connection (every store operation is
+    safe to repeat). For clients without a plain connection pool (Redis Cluster, sentinels),
+    commands go through the client, which takes a connection from its pool per command.
     """
 
     def __init__(self, client: Any) -> None:
         self.client = client
         pool = getattr(client, "connection_pool", None)
         self.pool = pool if isinstance(pool, redis.ConnectionPool) else None
-        self.local = threading.local()
+        self.free: FreeList[Any] = FreeList(self._open, self._close)
         # hiredis encodes text as UTF-8: use it only when the client would do the same.
         kwargs = self.pool.connection_kwargs if self.pool is not None else {}
         encoding = str(kwargs.get("encoding", "utf-8")).lower().replace("_", "-")
@@ -159,9 +168,10 @@ class _Connections:
         if self.pool is None:
             return self.client.execute_command(*command)
         first: redis.exceptions.ConnectionError | None = None
+        free = self.free
         for attempt in (1, 2):
             try:
-                conn = self._held()
+                conn = free.get()
             except redis.exceptions.ConnectionError:
                 if first is None or connection_refused(first):
                     raise
@@ -173,11 +183,13 @@ class _Connections:
                     conn.send_packed_command((self.pack(command),), check_health=False)
                 else:
                     conn.send_command(*command)
-                return conn.read_response()
+                reply = conn.read_response()
             except redis.exceptions.ResponseError:
-                raise  # a reply was read: the connection is in a clean state
+                free.put(conn)  # a reply was read: the connection is in a clean state
+                raise
             except redis.exceptions.ConnectionError as exc:
-                self._drop(conn)
+                free.discard(conn)
+                free.clear()
                 if attempt == 2:
                     if (
                         first is not None
@@ -187,9 +199,12 @@ class _Connections:
                         raise first from None  # (as above)
                     raise
                 first = exc
+                continue
             except BaseException:
-                self._drop(conn)
+                free.discard(conn)
                 raise
+            free.put(conn)
+            return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
     def load_script(self, source: str) -> str:
@@ -200,25 +215,18 @@ class _Connections:
             sha = self.execute("SCRIPT", "LOAD", source)
         return sha.decode() if isinstance(sha, bytes) else str(sha)
 
-    def _held(self) -> Any:
-        conn = getattr(self.local, "conn", None)
-        if conn is None or self.local.pid != os.getpid():
-            assert self.pool is not None
-            conn = self.pool.get_connection()
-            self.local.conn, self.local.pid = conn, os.getpid()
-        return conn
+    def _open(self) -> Any:
+        assert self.pool is not None
+        return self.pool.get_connection()
 
-    def _drop(self, conn: Any) -> None:
-        self.local.conn = None
+    def _close(self, conn: Any) -> None:
+        assert self.pool is not None
         conn.disconnect()
-        if self.pool is not None:
-            self.pool.release(conn)
+        self.pool.release(conn)
 
     def close(self) -> None:
-        conn = getattr(self.local, "conn", None)
-        if conn is not None and self.local.pid == os.getpid() and self.pool is not None:
-            self.pool.release(conn)
-        self.local = threading.local()
+        if self.pool is not None:
+            self.free.close()
 
 
 log = logging.getLogger(__name__)
@@ -306,6 +314,9 @@ class RedisLeaseStore(BaseLeaseStore):
                         # One immediate reconnect covers a connection the server dropped; more
                         # retries would stall renewal past the self-fence deadline.
                         retry=Retry(NoBackoff(), 1),
+                        # The store's free lists bound its connections (idle and in flight);
+                        # the pool's own limit (100 by default) would only make a burst fail.
+                        max_connections=_MAX_CONNECTIONS,
                         **_LEAN_CONNECT,
                         **auth,
                     )
@@ -339,6 +350,9 @@ class RedisLeaseStore(BaseLeaseStore):
         self.require_noeviction = require_noeviction
         self.require_persistence = require_persistence
         self._connections = _Connections(client)
+        # The renewer's calls (renew_many, warm_up) keep their own connections: the one its
+        # warm-up opened is still there for the first renewal, whatever the tasks took meanwhile.
+        self._renewer_connections = _Connections(client)
         scripts = {
             name: _Script(self._connections, getattr(lua, name.upper()))
             for name in (
@@ -493,7 +507,11 @@ class RedisLeaseStore(BaseLeaseStore):
         return round(self.retention * 1e6)
 
     def _renew_call(
-        self, leases: Sequence[Lease], ttls: Sequence[float], what: str
+        self,
+        leases: Sequence[Lease],
+        ttls: Sequence[float],
+        what: str,
+        via: _Connections | None = None,
     ) -> tuple[float, list[Any]]:
         """One call for all leases; on a cluster, one call per shard (a slot each).
 
@@ -513,7 +531,7 @@ class RedisLeaseStore(BaseLeaseStore):
                 keys += self._keys(self.shard_of(lease.resource), "leases", "expiry", "fences")
                 args += [lease.resource, lease.owner.token, str(lease.fence), round(ttl * 1e6)]
             with self._run(what):
-                reply = self._renew(keys=keys, args=args)
+                reply = self._renew(keys=keys, args=args, via=via)
             for i, item in zip(indexes, reply[1:], strict=True):
                 items[i] = item
         return sent, items
@@ -530,7 +548,9 @@ class RedisLeaseStore(BaseLeaseStore):
         if not leases:
             return []
         ttls = [self._renew_ttl(lease, ttl) for lease in leases]
-        sent, items = self._renew_call(leases, [max(t, 1e-6) for t in ttls], "renewal")
+        sent, items = self._renew_call(
+            leases, [max(t, 1e-6) for t in ttls], "renewal", self._renewer_connections
+        )
         results: list[LeaseLostError | None] = []
         for lease, lease_ttl, item in zip(leases, ttls, items, strict=True):
             if item[0] == 1:
@@ -765,12 +785,13 @@ class RedisLeaseStore(BaseLeaseStore):
         return warnings
 
     def warm_up(self) -> None:
-        # Opens this thread's connection and loads the renewal script: the renewer's first call
-        # then costs one round trip, also on a server that has not seen the script yet.
+        # Opens a connection for the renewer and loads the renewal script: the renewer's first
+        # call then costs one round trip, also on a server that has not seen the script yet.
         with self._run("warm-up"):
-            self._renew.load()
+            self._renew.load(self._renewer_connections)
 
     def close(self) -> None:
         self._connections.close()
+        self._renewer_connections.close()
         if self._owns_client:
             self.client.close()

@@ -20,7 +20,6 @@ import os
 import random
 import threading
 import time
-import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,6 +45,7 @@ from .._lease import Lease, LeaseInfo, Owner, from_micros
 from .._ledger import decode
 from .._names import validate_identifier, validate_resource
 from . import _sql_statements as stmts
+from ._connections import FreeList
 from ._sql_ledger import SQLLedgerMixin, recovered_from
 from ._sql_ledger_statements import LedgerStatements
 from .base import (
@@ -126,8 +126,10 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 )
         # An in-memory SQLite database lives in one connection that all threads share.
         self._serial = threading.Lock() if isinstance(engine.pool, StaticPool) else None
-        self._local = threading.local()
-        self._all_held: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
+        self._free: FreeList[_Connection] = FreeList(self._connect, _Connection.close)
+        # The renewer's calls (renew_many, warm_up) keep their own connections: the one its
+        # warm-up opened is still there for the first renewal, whatever the tasks took meanwhile.
+        self._renewer_free: FreeList[_Connection] = FreeList(self._connect, _Connection.close)
         self.metadata, self.tables = _tables(table_prefix)
         self.leases_table, self.meta_table = self.tables["leases"], self.tables["meta"]
         quote = engine.dialect.identifier_preparer.quote
@@ -205,30 +207,36 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 f"{first_line}; the outcome is unknown"
             ) from exc
 
-    def _run(self, what: str, work: Callable[[Any], T]) -> T:
-        """Run ``work(cursor)`` on this thread's connection: the one place driver errors are
+    def _run(
+        self, what: str, work: Callable[[Any], T], free: FreeList[_Connection] | None = None
+    ) -> T:
+        """Run ``work(cursor)`` on a connection of the store: the one place driver errors are
         caught.
 
-        Each thread keeps one pooled connection and cursor checked out (taking them from the
-        pool per call cost more than the statement itself). A broken connection (the server
-        restarted) is dropped with the whole pool and the work is tried once more on a fresh
-        connection; every operation is safe to repeat (a claim repeated with the same owner
-        token returns the same lease).
+        The connection comes from a free list (the store's, or the renewer's ``free``) and goes
+        back when the work ends (taking one from the SQLAlchemy pool per call cost more than
+        the statement itself; keeping one per thread left one per task behind under gevent).
+        A connection interrupted mid-call is closed, never reused. A broken connection (the
+        server restarted) is dropped with the idle ones and the whole pool, and the work is
+        tried once more on a fresh connection; every operation is safe to repeat (a claim
+        repeated with the same owner token returns the same lease).
         """
+        if free is None:
+            free = self._free
         for attempt in (1, 2):
             with shielded(), self._translate(what, attempt == 1):
                 if self._serial is not None:
                     self._serial.acquire()
                 try:
-                    held = self._held()
+                    held = free.get()
                     try:
-                        return work(held.cursor)
+                        result = work(held.cursor)
                     except BaseException as exc:
                         if not isinstance(exc, self._dbapi_error):
                             # Interrupted mid-call (a signal, a soft time limit): the
                             # connection may be mid-command, so it never serves again.
-                            self._local.held = None
-                            held.drop(exc)
+                            held.invalidate(exc)
+                            free.discard(held)
                             raise
                         disconnected = self.engine.dialect.is_disconnect(
                             exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
@@ -237,31 +245,31 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                         )
                         if self.dialect == "sqlite":
                             _rollback_quietly(held.conn)
-                        if disconnected:
-                            self._local.held = None
-                            held.drop(exc)
-                            self.engine.dispose()
-                            if attempt == 1:
-                                continue
+                        if not disconnected:
+                            free.put(held)  # the statement failed; the connection is fine
+                            raise
+                        held.invalidate(exc)
+                        free.discard(held)
+                        free.clear()
+                        self.engine.dispose()
+                        if attempt == 1:
+                            continue
                         raise
+                    free.put(held)
+                    return result
                 finally:
                     if self._serial is not None:
                         self._serial.release()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _held(self) -> _ThreadConnection:
-        held: _ThreadConnection | None = getattr(self._local, "held", None)
-        if held is None or held.pid != os.getpid():
-            held = _ThreadConnection(
-                self.engine.raw_connection(),
-                # Closed for real when its thread ends or the store closes: put back into the
-                # pool, it could land in one that a reconnect disposed meanwhile, and leak.
-                # (Not the one shared connection of an in-memory SQLite database.)
-                detach=not isinstance(self.engine.pool, StaticPool),
-            )
-            self._local.held = held
-            self._all_held.add(held)
-        return held
+    def _connect(self) -> _Connection:
+        return _Connection(
+            self.engine.raw_connection(),
+            # Closed for real when it is discarded or the store closes: put back into the pool,
+            # it could land in one that a reconnect disposed meanwhile, and leak. (Not the one
+            # shared connection of an in-memory SQLite database.)
+            detach=not isinstance(self.engine.pool, StaticPool),
+        )
 
     @contextmanager
     def _immediate(self, cursor: Any) -> Iterator[None]:
@@ -401,7 +409,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             return []
         ttls = [self._renew_ttl(lease, ttl) for lease in leases]
         sent = monotonic()
-        rows = self._run("renewal", lambda c: self._renew_rows(c, leases, ttls))
+        rows = self._run("renewal", lambda c: self._renew_rows(c, leases, ttls), self._renewer_free)
         results: list[LeaseLostError | None] = []
         for lease, lease_ttl, row in zip(leases, ttls, rows, strict=True):
             new_expires, token, label, fence, expires, now = row
@@ -587,27 +595,25 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         return warnings
 
     def warm_up(self) -> None:
-        self._run("warm-up", lambda cursor: None)
+        self._run("warm-up", lambda cursor: None, self._renewer_free)
 
     def reset_after_fork(self) -> None:
-        """Forget connections inherited from the parent (SQLAlchemy's fork recipe)."""
-        self._local = threading.local()
-        self._all_held = weakref.WeakSet()
+        """Forget connections inherited from the parent (SQLAlchemy's fork recipe); the free
+        lists forget theirs by themselves."""
         if self._serial is None:
             self.engine.dispose(close=False)
 
     def close(self) -> None:
-        for held in list(self._all_held):
-            held.close()
-        self._local = threading.local()
+        self._free.close()
+        self._renewer_free.close()
         if self._owns_engine:
             self.engine.dispose()
 
 
-class _ThreadConnection:
-    """One thread's checked-out connection and cursor, closed when dropped."""
+class _Connection:
+    """A connection checked out of the engine's pool, with its cursor; closed when dropped."""
 
-    __slots__ = ("__weakref__", "conn", "cursor", "detach", "pid")
+    __slots__ = ("conn", "cursor", "detach", "pid")
 
     def __init__(self, conn: Any, *, detach: bool = True) -> None:
         self.conn = conn
@@ -615,9 +621,10 @@ class _ThreadConnection:
         self.pid = os.getpid()
         self.detach = detach
 
-    def drop(self, exc: BaseException) -> None:
-        self.conn.invalidate(exc)
-        self.close()
+    def invalidate(self, exc: BaseException) -> None:
+        """Mark the connection unusable (its pool record will not reuse it)."""
+        if self.pid == os.getpid():
+            self.conn.invalidate(exc)
 
     def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
         # (_getpid is bound early: at interpreter exit module globals may already be gone)
@@ -632,7 +639,7 @@ class _ThreadConnection:
         except Exception:  # closing a broken connection may fail; it is gone anyway
             log.debug("closing a lease store connection failed", exc_info=True)
 
-    def __del__(self) -> None:  # the thread that held it ended
+    def __del__(self) -> None:  # lost without being closed (e.g. an interrupt at the wrong time)
         try:  # (not contextlib.suppress: it may already be gone at interpreter exit)
             self.close()
         except Exception:  # noqa: BLE001 - nothing sensible to do at interpreter exit
@@ -653,7 +660,7 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
         if parsed.database in (None, "", ":memory:"):
             kwargs["poolclass"] = StaticPool
         else:
-            kwargs["max_overflow"] = -1  # each thread keeps one connection (see _run)
+            kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30.0}
     elif parsed.get_backend_name() == "postgresql":
         ms = int(statement_timeout * 1000)
@@ -664,7 +671,7 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
         }
         # Autocommit connections: nothing to roll back when a connection goes back to the pool.
         kwargs["pool_reset_on_return"] = None
-        kwargs["max_overflow"] = -1  # each thread keeps one connection (see _run)
+        kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
     kwargs.update(options)
     try:
         engine = sa.create_engine(parsed, **kwargs)

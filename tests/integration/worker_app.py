@@ -58,6 +58,13 @@ if env.get("CL_VISIBILITY"):
         "unacked_restore_throttle": 1,
     }
 
+if env.get("CL_CONNECTIONS") == "per-thread":
+    # The connection tests' negative control: each thread (greenlet, under gevent) keeps one
+    # store connection for its lifetime, as the stores did before their free lists.
+    from celery_lease.stores import _connections
+
+    _connections.PER_THREAD = True
+
 _coord: redis.Redis | None = None
 _coord_pid: int | None = None
 _gate: FenceGate | None = None
@@ -433,6 +440,14 @@ if env.get("CL_DUPLICATE_REARM") == "off":
         return _lease_busy(self, busy, settings)
 
     LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
+
+
+@lease_task(app=app, resource="conn-{n}")
+def touch(n: int, hold: float = 0.0) -> int:
+    """Claims conn-<n>, holds it ``hold`` s and releases it: store calls and nothing else."""
+    if hold:
+        time.sleep(hold)
+    return current_lease().fence
 
 
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).

@@ -1,0 +1,218 @@
+"""Store connections stay bounded under every pool, gevent included (issue 8, item 3).
+
+Celery's gevent pool runs every task in a new greenlet, and under gevent a ``threading.local``
+is per greenlet: stores that kept one connection per thread kept one per task. Redis ran out of
+pool connections after 100 tasks (``MaxConnectionsError``, every claim failed), PostgreSQL kept
+a session per task. The stores now take a connection from a free list per call and give it back.
+
+The tests count the connections the server sees from the workers' stores (Redis ``CLIENT LIST``
+on a database only the store uses; PostgreSQL ``pg_stat_activity`` by an application name only
+the store uses) while a real ``-P gevent -c 50`` worker runs 500 tasks one after another, then
+500 at once. Negative control: with ``CL_CONNECTIONS=per-thread`` (the old per-thread cache)
+the same count grows with every task.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy.engine import make_url
+
+from tests.conftest import unique
+from tests.integration.harness import wait_success
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CONCURRENCY = 50
+TASKS = 500
+CONTROL_TASKS = 150
+STORE_DB = 9  # a Redis database no other test uses: its clients are the store's connections
+# One task at a time: its call's connection, the renewer's, and the health check's (redis-py's
+# own pool, for a Redis store; SQLAlchemy's, which keeps a few idle, for PostgreSQL).
+SEQUENTIAL_BOUND = 8
+# 50 at once: at most one call in flight per task, plus the same few.
+CONCURRENT_BOUND = CONCURRENCY + 8
+
+
+class StoreConnections:
+    """Counts the connections the workers' lease store holds open on its server."""
+
+    def __init__(self, kind: str, server: Any) -> None:
+        self.kind = kind
+        self.peak = 0
+        self.seen: set[str] = set()  # Redis client ids seen in the store's database
+        self.tag = unique("conns")
+        if kind == "redis":
+            self.admin: Any = redis.Redis.from_url(server.url.rsplit("/", 1)[0] + "/0")
+            self.store_url = server.url.rsplit("/", 1)[0] + f"/{STORE_DB}"
+        else:
+            url = make_url(server.url)
+            self.admin = psycopg.connect(
+                host=url.host,
+                port=url.port,
+                user=url.username,
+                dbname=url.database,
+                autocommit=True,
+            )
+            self.store_url = f"{server.url}?application_name={self.tag}"
+        self.sessions_before = self._sessions()
+
+    def count(self) -> int:
+        """Connections open now."""
+        if self.kind == "redis":
+            ids = [c["id"] for c in self.admin.client_list() if c.get("db") == str(STORE_DB)]
+            self.seen.update(ids)
+            return len(ids)
+        row = self.admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (self.tag,)
+        ).fetchone()
+        return int(row[0])
+
+    def opened(self) -> int:
+        """Connections opened since the start (a lower bound on Redis: those seen open)."""
+        if self.kind == "redis":
+            return len(self.seen)
+        # Sessions established in the database (only this test connects to it meanwhile); a
+        # session is counted once it ends or reports its statistics, so a closed one always is.
+        return self._sessions() - self.sessions_before
+
+    def _sessions(self) -> int:
+        if self.kind == "redis":
+            return 0
+        row = self.admin.execute(
+            "SELECT sessions FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+        return int(row[0])
+
+    def check(self, bound: int | None, after: str) -> int:
+        """Count now; fail when more than ``bound`` are open or were opened so far."""
+        n = self.count()
+        self.peak = max(self.peak, n)
+        assert bound is None or n <= bound, (
+            f"{n} store connections open after {after} (bound {bound}): the workers keep a "
+            "connection per task"
+        )
+        opened = self.opened()
+        assert bound is None or opened <= bound, (
+            f"{opened} store connections opened by {after} (bound {bound}): the workers open "
+            "a connection per task instead of reusing them"
+        )
+        return n
+
+    def every(self, seconds: float, bound: int, after: str) -> Callable[[], None]:
+        """A ``tick`` for wait_success: check at most every ``seconds``."""
+        due = 0.0
+
+        def tick() -> None:
+            nonlocal due
+            if time.monotonic() >= due:
+                self.check(bound, after)
+                due = time.monotonic() + seconds
+
+        return tick
+
+    def close(self) -> None:
+        self.admin.close()
+
+
+@pytest.fixture
+def connections(request: pytest.FixtureRequest) -> Any:
+    made: list[StoreConnections] = []
+
+    def make(kind: str) -> StoreConnections:
+        server = request.getfixturevalue("redis_server" if kind == "redis" else "postgres_server")
+        made.append(StoreConnections(kind, server))
+        return made[-1]
+
+    yield make
+    for conns in made:
+        conns.close()
+
+
+def _env(
+    kind: str, conns: StoreConnections, store_env: Callable[[str], dict[str, str]]
+) -> dict[str, str]:
+    return {**store_env(kind), "CL_STORE": conns.store_url}
+
+
+def run_sequential(it_app: Any, queue: str, conns: StoreConnections, n: int, bound: int | None):
+    """``n`` tasks one after another, each in a new greenlet; counted every 10 tasks."""
+    for i in range(n):
+        assert it_app.touch.apply_async((i,), queue=queue).get(timeout=30) >= 1
+        if i % 10 == 9:
+            conns.check(bound, f"{i + 1} sequential tasks")
+
+
+class TestGevent:
+    @pytest.mark.parametrize("kind", ["redis", "postgres"])
+    def test_connections_stay_bounded(
+        self, it_app, start_worker, store_env, queue, connections, kind
+    ):
+        """500 sequential then 500 concurrent tasks on -P gevent -c 50: connections bounded."""
+        conns = connections(kind)
+        start_worker(_env(kind, conns, store_env), queue=queue, pool="gevent", concurrency=50)
+        began = time.monotonic()
+        run_sequential(it_app, queue, conns, TASKS, SEQUENTIAL_BOUND)
+        sequential_peak, sequential_took = conns.peak, time.monotonic() - began
+        results = [it_app.touch.apply_async((i, 0.02), queue=queue) for i in range(TASKS)]
+        wait_success(
+            it_app.app,
+            [r.id for r in results],
+            timeout=120,
+            tick=conns.every(0.05, CONCURRENT_BOUND, "a burst of concurrent tasks"),
+        )
+        after = conns.check(CONCURRENT_BOUND, f"{TASKS} concurrent tasks")
+        print(
+            f"{kind}: peak {sequential_peak} connections over {TASKS} sequential tasks "
+            f"({sequential_took:.1f}s), peak {conns.peak} over {TASKS} concurrent ones "
+            f"({time.monotonic() - began - sequential_took:.1f}s), {after} open at the end, "
+            f"{conns.opened()} opened"
+        )
+
+    @pytest.mark.parametrize("kind", ["redis", "postgres"])
+    def test_negative_control_per_thread_connections_grow(
+        self, it_app, start_worker, store_env, queue, connections, kind
+    ):
+        """With the old per-thread cache every sequential task opens a connection: on Redis it
+        stays open (redis-py's pool keeps it checked out), on PostgreSQL it is closed when its
+        greenlet is collected."""
+        conns = connections(kind)
+        env = {**_env(kind, conns, store_env), "CL_CONNECTIONS": "per-thread"}
+        start_worker(env, queue=queue, pool="gevent", concurrency=50)
+        run_sequential(it_app, queue, conns, CONTROL_TASKS, None)
+        open_now = conns.check(None, f"{CONTROL_TASKS} sequential tasks")
+        opened = conns.opened()
+        print(
+            f"{kind} per-thread control: {opened} connections opened by {CONTROL_TASKS} tasks, "
+            f"{open_now} open"
+        )
+        assert opened >= CONTROL_TASKS * 0.9
+        if kind == "redis":
+            assert open_now >= CONTROL_TASKS * 0.9
+        with pytest.raises(AssertionError, match="store connections"):
+            conns.check(SEQUENTIAL_BOUND, "the control")
+
+
+class TestOtherPools:
+    @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+    def test_connections_bounded_by_concurrency(
+        self, it_app, start_worker, store_env, queue, connections, pool
+    ):
+        """Every pool holds at most a task call and a renewal per process slot, plus one."""
+        conns = connections("redis")
+        concurrency = 1 if pool == "solo" else 4
+        bound = 2 * concurrency + 3
+        start_worker(_env("redis", conns, store_env), queue=queue, pool=pool, concurrency=4)
+        results = [it_app.touch.apply_async((i, 0.01), queue=queue) for i in range(100)]
+        wait_success(
+            it_app.app,
+            [r.id for r in results],
+            timeout=60,
+            tick=conns.every(0.05, bound, f"concurrent tasks on -P {pool}"),
+        )
+        print(f"-P {pool}: peak {conns.peak} connections (bound {bound})")
