@@ -19,6 +19,7 @@ from typing import Any
 from celery import bootsteps, signals
 
 from . import _events as events
+from . import metrics
 from ._errors import LeaseConfigError, LeaseError
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
@@ -164,6 +165,7 @@ def release_all_held() -> int:
 
 def _on_process_shutdown(**_: Any) -> None:
     release_all_held()
+    metrics.mark_process_dead()
 
 
 signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
@@ -183,8 +185,23 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         lease_store_url: str | None = None,
         lease_ttl: float | None = None,
         lease_max_runtime: float | None = None,
+        lease_metrics_port: int | None = None,
+        lease_metrics_address: str | None = None,
         **options: Any,
     ) -> None:
+        self.metrics_port = lease_metrics_port
+        self.metrics_address = lease_metrics_address or "0.0.0.0"  # noqa: S104 - as exporters do
+        self.metrics_server: metrics.MetricsServer | None = None
+        if lease_metrics_port is not None:
+            # Now, in the main process before the pool forks: each child then writes its
+            # counts where the main process can sum them.
+            try:
+                self.metrics_dir: str | None = metrics.enable_multiprocess()
+            except ImportError:
+                raise LeaseConfigError(
+                    "--lease-metrics-port needs prometheus_client: pip install "
+                    "'celery-lease[prometheus]'"
+                ) from None
         conf = worker.app.conf
         for key, value in (
             ("lease_store_url", lease_store_url),
@@ -198,6 +215,21 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(worker, **options)
 
     def start(self, worker: Any) -> None:
+        if self.metrics_port is not None and self.metrics_server is None:
+            try:
+                self.metrics_server = metrics.start_server(self.metrics_port, self.metrics_address)
+            except OSError as exc:
+                raise LeaseConfigError(
+                    f"--lease-metrics-port {self.metrics_port}: cannot listen on "
+                    f"{self.metrics_address}:{self.metrics_port} ({exc})"
+                ) from None
+            log.info(
+                "celery_lease metrics on http://%s:%d/metrics, summed over the pool "
+                "processes through PROMETHEUS_MULTIPROC_DIR=%s",
+                self.metrics_address,
+                self.metrics_server.port,
+                self.metrics_dir,
+            )
         app = worker.app
         settings = LeaseSettings.resolve(app.conf)  # bad settings stop the worker here
         from ._task import LeaseTask  # (imports this module)
@@ -221,6 +253,11 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             log.warning("celery_lease: %s", warning)
         log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
 
+    def stop(self, worker: Any) -> None:
+        server, self.metrics_server = self.metrics_server, None
+        if server is not None:
+            server.close()
+
 
 def install(app: Any) -> None:
     """Add the lease bootstep and the ``--lease-*`` worker options to ``app`` (idempotent)."""
@@ -242,6 +279,18 @@ def install(app: Any) -> None:
                 type=float,
                 default=None,
                 help="Hard cap on one execution's lease hold, seconds.",
+            ),
+            Option(
+                ["--lease-metrics-port"],
+                type=int,
+                default=None,
+                help="Serve celery_lease metrics (summed over the pool processes) on this "
+                "port at /metrics.",
+            ),
+            Option(
+                ["--lease-metrics-address"],
+                default=None,
+                help="Address for --lease-metrics-port (default 0.0.0.0).",
             ),
         }
     )

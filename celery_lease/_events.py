@@ -1,8 +1,7 @@
-"""Lease events and metrics.
+"""Lease events and the counting entry points the rest of the package calls.
 
-Metrics are in-process counters (``METRICS``, always on, cheap), exposed to Prometheus by a
-collector that reads them on scrape when ``prometheus_client`` is installed. Names follow
-``celery_lease_<noun>_<event>_total``.
+Counters and histograms live in :mod:`celery_lease.metrics` (in-process counts, mirrored to
+``prometheus_client`` when it is installed, multiprocess under a prefork worker).
 
 Events are Celery ``task-lease-*`` events (``task-lease-busy``, ``task-lease-lost``,
 ``task-lease-recovered``), sent only when the worker sends task events (``-E``) and the
@@ -13,79 +12,50 @@ Fields never carry an owner token.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import Counter
 from typing import Any
 
+from . import metrics
+from .metrics import METRICS, register_prometheus
+
 __all__ = [
-    "DESCRIPTIONS",
     "METRICS",
     "count",
+    "observe",
     "observe_hold",
     "register_prometheus",
     "send_event",
 ]
 
 log = logging.getLogger(__name__)
-
-#: metric name -> value, for this process.
-METRICS: Counter[str] = Counter()
-_lock = threading.Lock()
-_collector_registered = False
-
-DESCRIPTIONS = {
-    "celery_lease_claims_total": "Leases claimed",
-    "celery_lease_claim_conflicts_total": "Claims refused because another owner held the lease",
-    "celery_lease_takeovers_total": "Claims that recovered work an earlier owner did not finish",
-    "celery_lease_renewal_failures_total": "Renewal calls that failed (store error)",
-    "celery_lease_leases_lost_total": "Leases lost while a task held them",
-    "celery_lease_releases_total": "Leases released by their owner",
-    "celery_lease_stale_fence_rejections_total": "Writes rejected for a stale fence",
-    "celery_lease_busy_waits_total": "Tasks re-queued to wait for a busy resource",
-    "celery_lease_duplicates_total": "Deliveries of work already completed (not run again)",
-    "celery_lease_effects_replayed_total": "Ledgered effects found done (receipt returned)",
-    "celery_lease_reconciliations_total": "Ledgered effects found begun and not done",
-    "celery_lease_hold_seconds_total": "Seconds leases were held, summed",
-}
+_unknown: set[str] = set()
 
 
-def count(name: str, amount: float = 1) -> None:
-    """Add ``amount`` to the counter ``name`` (read by the Prometheus collector on scrape)."""
-    with _lock:
-        METRICS[name] += amount  # type: ignore[assignment]
+def count(name: str, amount: float = 1, **labels: str) -> None:
+    """Add ``amount`` to the counter ``name``; never raises (a metric must not fail a task)."""
+    try:
+        metrics.inc(name, amount, **labels)
+    except KeyError as exc:
+        if name not in _unknown:
+            _unknown.add(name)
+            log.warning("celery_lease: not counted: %s", exc)
+    except Exception:  # a full disk under the multiprocess directory, ...
+        log.exception("celery_lease: counting %s failed", name)
+
+
+def observe(name: str, seconds: float, **labels: str) -> None:
+    """Record ``seconds`` in the histogram ``name``; never raises."""
+    try:
+        metrics.observe(name, seconds, **labels)
+    except KeyError as exc:
+        if name not in _unknown:
+            _unknown.add(name)
+            log.warning("celery_lease: not recorded: %s", exc)
+    except Exception:
+        log.exception("celery_lease: recording %s failed", name)
 
 
 def observe_hold(seconds: float) -> None:
-    count("celery_lease_hold_seconds_total", seconds)
-
-
-def register_prometheus() -> bool:
-    """Expose the counters to ``prometheus_client``'s default registry (once per process).
-
-    The collector reads :data:`METRICS` when scraped, so counting costs nothing more than a
-    dict update. Returns False when prometheus_client is not installed.
-    """
-    global _collector_registered  # noqa: PLW0603 - once per process
-    try:
-        from prometheus_client.core import REGISTRY, CounterMetricFamily
-    except ImportError:
-        return False
-    with _lock:
-        if _collector_registered:
-            return True
-        _collector_registered = True
-
-    class _Collector:
-        def collect(self) -> Any:
-            with _lock:
-                values = dict(METRICS)
-            for name, doc in DESCRIPTIONS.items():
-                family = CounterMetricFamily(name.removesuffix("_total"), doc)
-                family.add_metric([], values.get(name, 0))
-                yield family
-
-    REGISTRY.register(_Collector())
-    return True
+    observe("celery_lease_hold_seconds", seconds)
 
 
 def send_event(

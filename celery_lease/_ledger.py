@@ -98,13 +98,13 @@ class Effect:
         if state == "done":
             self.done = self.replayed = True
             self.receipt = decode(receipt)
-            events.count("celery_lease_effects_replayed_total")
+            events.count("celery_lease_effects_total", outcome="replayed")
             return self
         if state == "intent":
             self.previous_fence = previous_fence
-            events.count("celery_lease_reconciliations_total")
             hook = lease.extra.get("reconcile_effect")
             if hook is None:
+                events.count("celery_lease_reconciliations_total", outcome="unresolved")
                 raise EffectUnresolvedError(
                     f"effect {self.key!r} of identity {lease.identity!r} was begun by an "
                     f"earlier owner (fence {previous_fence}) that never recorded it done; "
@@ -116,8 +116,12 @@ class Effect:
                 )
             failpoints.hit("inside_reconcile")
             outcome = hook(self.key, lease)
+            events.count(
+                "celery_lease_reconciliations_total",
+                outcome="redo" if outcome is REDO else "receipt",
+            )
             if outcome is not REDO:
-                self._record_done(outcome)
+                self._record_done(outcome, "reconciled")
                 self.replayed = True
         return self
 
@@ -127,11 +131,12 @@ class Effect:
             # next owner reconciles.
             return
         failpoints.hit("after_effect_before_ledger")
-        self._record_done(self.receipt)
+        self._record_done(self.receipt, "recorded")
 
-    def _record_done(self, receipt: Any) -> None:
+    def _record_done(self, receipt: Any, outcome: str) -> None:
         store, _ = _needs_identity(self.lease, "lease.effect()")
         if not store.effect_done(self.lease, self.key, encode(receipt)):
+            events.count("celery_lease_effects_total", outcome="superseded")
             log.warning(
                 "effect %r of %r: a newer owner took over its intent before it was recorded "
                 "done (fence %d)",
@@ -139,6 +144,8 @@ class Effect:
                 self.lease.identity,
                 self.lease.fence,
             )
+        else:
+            events.count("celery_lease_effects_total", outcome=outcome)
         self.done = True
         self.receipt = receipt
 

@@ -250,6 +250,7 @@ class Renewer:
                     hold.retrying = True
                 self._declare_overdue(now)
                 return
+            renewed = sum(result is None for result in results)
             for hold, result in zip(holds, results, strict=True):
                 if hold.done:
                     continue
@@ -261,6 +262,8 @@ class Renewer:
                     hold.retrying = False
                 else:
                     self._lose(hold, result)
+        if renewed:
+            events.count("celery_lease_renewals_total", renewed)
 
     def _io_executor(self) -> ThreadPoolExecutor:
         """The I/O thread's executor (call under the lock)."""

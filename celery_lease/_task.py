@@ -97,6 +97,8 @@ LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
 #: When (wall clock, seconds since the epoch) this execution's claims began to fail.
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
+#: Lost-lease reasons that mean the lease ran out while the body was still running.
+EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
 
@@ -270,15 +272,20 @@ class LeaseTask(Task):  # type: ignore[misc]
         store = compiled.current_store(task=self)
         owner = Owner.fresh(_owner_label(request))
         get_renewer().prepare(store)  # the renewal connection opens while the claim runs
+        claim_started = time.monotonic()
         try:
             lease = store.acquire(resource, owner, settings.ttl, identity=identity)
         except IdentityDoneError as done:
+            _observe_acquire(claim_started, "duplicate")
             return self._duplicate_done(done)
         except LeaseBusyError as busy:
+            _observe_acquire(claim_started, "busy")
             return self._lease_busy(busy, settings)
         except LeaseStoreError as exc:
+            _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
             return self._store_down(exc, settings)
+        _observe_acquire(claim_started, "claimed")
         if outage.down:  # (one dict test while the store is fine)
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
@@ -328,6 +335,14 @@ class LeaseTask(Task):  # type: ignore[misc]
         the outside world before continuing, never replay blindly. The default does nothing.
         """
 
+    def _reconcile(self, lease: Lease) -> None:
+        try:
+            self.reconcile(lease)
+        except BaseException:
+            events.count("celery_lease_reconciliations_total", outcome="failed")
+            raise
+        events.count("celery_lease_reconciliations_total", outcome="ok")
+
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
@@ -374,7 +389,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 )
                 if lease.recovered:
                     failpoints.hit("inside_reconcile")
-                    self.reconcile(lease)
+                    self._reconcile(lease)
                 result = self._invoke_body(lease, args, kwargs, direct)
                 interrupter.disarm()
                 lease.check()  # never report success for a lease known lost or past deadline
@@ -566,7 +581,10 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def _lease_lost(self, lost: LeaseLostError, lease: Lease, settings: LeaseSettings) -> Any:
         request = self.request
-        events.count("celery_lease_leases_lost_total")
+        reason = lost.reason or "unknown"
+        events.count("celery_lease_leases_lost_total", reason=reason)
+        if reason in EXPIRY_REASONS:
+            events.count("celery_lease_expired_while_running_total")
         log.warning("task %s[%s]: %s", self.name, request.id, lost)
         if request.is_eager or request.called_directly:
             raise lost
@@ -700,6 +718,10 @@ def _raw_attr(task: Any, name: str) -> Any:
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
     return value
+
+
+def _observe_acquire(started: float, result: str) -> None:
+    events.observe("celery_lease_acquire_seconds", time.monotonic() - started, result=result)
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:

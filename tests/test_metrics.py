@@ -17,7 +17,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 def scrape(name: str) -> float:
     text = prometheus_client.generate_latest().decode()
-    match = re.search(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
     assert match, f"{name} is not exposed:\n{text}"
     return float(match.group(1))
 
@@ -48,4 +48,27 @@ def test_claims_releases_and_conflicts_are_scraped(tmp_path):
     assert scrape("celery_lease_releases_total") == before["celery_lease_releases_total"] + 3
     conflicts = scrape("celery_lease_claim_conflicts_total")
     assert conflicts == before["celery_lease_claim_conflicts_total"] + 1
-    assert scrape("celery_lease_hold_seconds_total") > 0
+    assert scrape("celery_lease_hold_seconds_sum") > 0
+
+
+class TestCounting:
+    def test_a_counter_takes_exactly_its_labels(self):
+        """A name or label set that is not declared raises: names stay in one table."""
+        from celery_lease import metrics
+
+        with pytest.raises(KeyError):
+            metrics.inc("celery_lease_no_such_total")
+        with pytest.raises(KeyError):
+            metrics.inc("celery_lease_leases_lost_total")  # needs reason=
+        before = metrics.snapshot().get('celery_lease_leases_lost_total{reason="test"}', 0)
+        metrics.inc("celery_lease_leases_lost_total", reason="test")
+        after = metrics.snapshot()
+        assert after['celery_lease_leases_lost_total{reason="test"}'] == before + 1
+        assert scrape('celery_lease_leases_lost_total{reason="test"}') == before + 1
+
+    def test_the_internal_entry_point_never_raises(self):
+        """A task must not fail because a metric name is unknown (it is logged once)."""
+        from celery_lease import _events
+
+        _events.count("celery_lease_no_such_total")
+        _events.observe("celery_lease_no_such_seconds", 1.0)

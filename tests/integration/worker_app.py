@@ -65,6 +65,18 @@ if env.get("CL_CONNECTIONS") == "per-thread":
 
     _connections.PER_THREAD = True
 
+if env.get("CL_PLAIN_METRICS_PORT"):
+    # What exposing the lease counters looked like before --lease-metrics-port: the default
+    # registry served from the worker's main process (tests/integration/test_metrics_prefork.py
+    # uses it as the negative control).
+
+    @signals.worker_init.connect
+    def _plain_metrics(**_: Any) -> None:
+        import prometheus_client
+
+        prometheus_client.start_http_server(int(env["CL_PLAIN_METRICS_PORT"]), "127.0.0.1")
+
+
 _coord: redis.Redis | None = None
 _coord_pid: int | None = None
 _gate: FenceGate | None = None
