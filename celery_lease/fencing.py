@@ -72,17 +72,26 @@ def fenced_update(
     *,
     fence_column: str = "fence",
 ) -> int:
-    """Update rows only if their fence is not newer than ``fence``, and store ``fence``.
+    """Update the rows ``where`` matches, all of them or none: none if any carries a newer fence.
 
-    One ``UPDATE`` statement: ``SET <values>, <fence_column> = :fence WHERE <where> AND
-    <fence_column> <= :fence`` (a NULL fence counts as older than any). Works with a Core
-    ``Table`` or an ORM model, on a ``Connection`` or a ``Session``.
+    One statement, so it is all-or-nothing on its own, also on an autocommit connection::
+
+        WITH locked AS MATERIALIZED (SELECT fence FROM t WHERE <where> FOR UPDATE)
+        UPDATE t SET <values>, fence = :fence
+        WHERE <where> AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.fence > :fence)
+
+    On PostgreSQL the CTE locks every matched row and reads its newest committed fence before
+    any row is written, so a newer owner committing while this statement runs makes it write
+    nothing (a plain ``UPDATE ... WHERE fence <= :fence`` would re-check only the rows it
+    waited for and write the others). SQLite runs one writer at a time; there the check is a
+    ``NOT EXISTS`` subquery over the same rows. A NULL fence counts as older than any. Works
+    with a Core ``Table`` or an ORM model, on a ``Connection`` or a ``Session``.
 
     Returns:
         the number of rows updated (>= 1).
 
     Raises:
-        StaleFenceError: a matching row carries a newer fence; nothing was written.
+        StaleFenceError: a matching row carries a newer fence; no row was written.
         LookupError: no row matches ``where``.
     """
     import sqlalchemy as sa
@@ -90,10 +99,31 @@ def fenced_update(
     value = _fence_of(fence)
     table = target.__table__ if hasattr(target, "__table__") else target
     column = table.c[fence_column]
+    bind = connection.get_bind() if hasattr(connection, "get_bind") else connection
+    if bind.dialect.name == "postgresql":
+        locked = (
+            sa.select(column.label("fence"))
+            .where(where)
+            .with_for_update()  # every matched row, not only the newer ones: see above
+            .cte("celery_lease_fenced")
+            .prefix_with("MATERIALIZED")  # evaluated before the update, never folded into it
+        )
+        newer = sa.exists().where(locked.c.fence > value)
+    else:
+        # One writer at a time (SQLite): the statement's own snapshot is the newest state. A
+        # subquery, not a CTE: Python's sqlite3 reports no rowcount for a WITH statement.
+        newer = sa.exists(
+            sa.select(sa.literal(1))
+            .select_from(table)
+            .where(where)
+            .where(column > value)
+            .correlate(None)  # over all matched rows, not the row being updated
+        )
     statement = (
         sa.update(table)
         .where(where)
-        .where(sa.or_(column.is_(None), column <= value))
+        .where(~newer)
+        .where(sa.or_(column.is_(None), column <= value))  # (each row's own check, kept)
         .values({**values, fence_column: value})
     )
     # Shielded: a lease interrupt waits until the driver call returns (a connection cut off

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -111,6 +112,140 @@ class TestSqlFencedUpdate:
                 fenced_update(session, Page, Page.id == 1, {"title": "stale"}, lease.fence - 1)
             session.commit()
             assert session.get(Page, 1).title == "published"
+
+
+def three_rows(engine):
+    """Rows 1..3 of a fresh accounts table: fences None, 3 and 7."""
+    table = accounts_table(engine)
+    with engine.begin() as conn:
+        conn.execute(
+            table.insert(),
+            [{"id": 2, "balance": 100, "fence": 3}, {"id": 3, "balance": 100, "fence": 7}],
+        )
+    return table
+
+
+def rows(engine, table):
+    with engine.connect() as conn:
+        query = sa.select(table.c.id, table.c.balance, table.c.fence).order_by(table.c.id)
+        return [tuple(row) for row in conn.execute(query)]
+
+
+def plain_conditional_update(conn, table, where, values, fence):
+    """The per-row condition alone: what fenced_update was (the protection switched off)."""
+    column = table.c.fence
+    statement = (
+        sa.update(table)
+        .where(where)
+        .where(sa.or_(column.is_(None), column <= fence))
+        .values({**values, "fence": fence})
+    )
+    return conn.execute(statement).rowcount
+
+
+class TestSqlFencedUpdateAllOrNothing:
+    """A stale writer whose condition matches several rows writes none of them."""
+
+    def test_a_stale_multi_row_write_changes_no_row(self, engine):
+        """One matched row carries a newer fence: StaleFenceError, and the older rows keep
+        their values (not only the newer one)."""
+        table = three_rows(engine)
+        before = rows(engine, table)
+        with engine.begin() as conn, pytest.raises(StaleFenceError) as caught:
+            fenced_update(conn, table, table.c.id.in_([1, 2, 3]), {"balance": 0}, 5)
+        assert (caught.value.fence, caught.value.highest) == (5, 7)
+        assert rows(engine, table) == before
+
+    def test_an_autocommit_connection_is_all_or_nothing_too(self, engine):
+        """No surrounding transaction to roll back: the one statement decides alone."""
+        table = three_rows(engine)
+        before = rows(engine, table)
+        autocommit = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        with autocommit as conn, pytest.raises(StaleFenceError):
+            fenced_update(conn, table, table.c.id.in_([1, 2, 3]), {"balance": 0}, 5)
+        assert rows(engine, table) == before
+
+    def test_a_fence_newer_than_every_row_writes_them_all(self, engine):
+        table = three_rows(engine)
+        with engine.begin() as conn:
+            assert fenced_update(conn, table, table.c.id.in_([1, 2, 3]), {"balance": 1}, 7) == 3
+        assert rows(engine, table) == [(1, 1, 7), (2, 1, 7), (3, 1, 7)]
+
+    def test_negative_control_the_per_row_condition_alone_writes_the_older_rows(self, engine):
+        table = three_rows(engine)
+        with engine.begin() as conn:
+            assert (
+                plain_conditional_update(conn, table, table.c.id.in_([1, 2, 3]), {"balance": 0}, 5)
+                == 2
+            )
+        assert rows(engine, table) == [(1, 0, 5), (2, 0, 5), (3, 100, 7)]
+
+
+def _concurrent_stale_write(engine, table, update):
+    """A newer owner has updated row 2 (fence 3 -> 9) and not committed; the stale owner
+    (fence 5, newer than every committed row) updates rows 1 and 2 meanwhile and waits for row
+    2's lock; then the newer owner commits."""
+    outcome = {}
+    newer = engine.connect()
+    newer_tx = newer.begin()
+    newer.execute(sa.update(table).where(table.c.id == 2).values(balance=9, fence=9))
+    pid = newer.execute(sa.text("select pg_backend_pid()")).scalar()
+
+    def stale():
+        try:
+            with engine.begin() as conn:
+                outcome["pid"] = conn.execute(sa.text("select pg_backend_pid()")).scalar()
+                outcome["result"] = update(conn, table, table.c.id.in_([1, 2]), {"balance": 0}, 5)
+        except StaleFenceError as exc:
+            outcome["result"] = exc
+
+    thread = threading.Thread(target=stale, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        with engine.connect() as watcher:  # until the stale writer waits for the newer's lock
+            while True:
+                blocked = watcher.execute(
+                    sa.text(
+                        "select count(*) from pg_stat_activity "
+                        "where :pid = any(pg_blocking_pids(pid))"
+                    ),
+                    {"pid": pid},
+                ).scalar()
+                watcher.rollback()  # pg_stat_activity is a snapshot per transaction
+                if blocked:
+                    break
+                assert time.monotonic() < deadline, "the stale writer never waited for the lock"
+                time.sleep(0.01)
+        newer_tx.commit()
+    finally:
+        newer.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    return outcome["result"]
+
+
+class TestSqlFencedUpdateConcurrentWriter:
+    """PostgreSQL READ COMMITTED: a row a newer owner commits while the stale statement runs."""
+
+    @pytest.fixture
+    def pg_engine(self, postgres_server):
+        engine = sa.create_engine(postgres_server.url)
+        yield engine
+        engine.dispose()
+
+    def test_a_newer_commit_during_the_statement_leaves_every_row_unwritten(self, pg_engine):
+        """Refused as a whole: row 2 keeps the newer owner's write, row 1 its own."""
+        table = three_rows(pg_engine)
+        result = _concurrent_stale_write(pg_engine, table, fenced_update)
+        assert isinstance(result, StaleFenceError) and result.highest == 9
+        assert rows(pg_engine, table) == [(1, 100, None), (2, 9, 9), (3, 100, 7)]
+
+    def test_negative_control_a_plain_update_partly_applies(self, pg_engine):
+        """Without the lock-then-check, the stale write lands on row 1 only."""
+        table = three_rows(pg_engine)
+        assert _concurrent_stale_write(pg_engine, table, plain_conditional_update) == 1
+        assert rows(pg_engine, table) == [(1, 0, 5), (2, 9, 9), (3, 100, 7)]
 
 
 class TestRedisFencedWrites:
