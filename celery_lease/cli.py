@@ -1,0 +1,439 @@
+"""``celery -A proj lease ...``: inspect and manage leases from the command line.
+
+Registered through the ``celery.commands`` entry point, so Celery loads it like its own
+``celery list``: ``ctx.obj.app`` is the app named by ``-A`` and the store is that app's
+``lease_store_url``. Commands print human tables by default and JSON with ``--json``. On an
+error they print one line (``Error: ...``) to stderr and exit non-zero: 1 when the store failed
+or refused, 2 for bad input or settings (a bad resource name, no ``lease_store_url``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+from celery.bin.base import CeleryCommand, handle_preload_options
+
+from ._app import get_store
+from ._errors import LeaseBusyError, LeaseConfigError, LeaseError
+from ._lease import LeaseInfo, Owner
+from ._names import validate_resource
+from ._settings import LeaseSettings
+from .stores.base import MAX_LIST_LIMIT, IdentityInfo, LeaseStore
+
+__all__ = ["holder_task_id", "lease", "prefix_of"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Exit status for a store failure (unreachable, refused, unhealthy under --strict).
+EXIT_STORE = 1
+#: Exit status for bad input or settings (click uses 2 for usage errors too).
+EXIT_CONFIG = 2
+#: Clock skew between the store and this host above which ``check`` warns, seconds.
+SKEW_WARNING = 1.0
+_HOST_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+class CommandError(click.ClickException):
+    """A failure: ``Error: <message>`` on one line of stderr, exit status 1."""
+
+    exit_code = EXIT_STORE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class UsageProblem(CommandError):
+    """Bad input or settings: exit status 2."""
+
+    exit_code = EXIT_CONFIG
+
+
+def _fails_cleanly(command: F) -> F:
+    """Turn celery_lease errors into a one-line message and a non-zero exit status."""
+
+    @wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except LeaseConfigError as exc:
+            raise UsageProblem(str(exc)) from None
+        except LeaseError as exc:
+            raise CommandError(str(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _store(ctx: click.Context) -> LeaseStore:
+    app = ctx.obj.app
+    settings = LeaseSettings.resolve(app.conf)
+    if not settings.store_url:
+        raise LeaseConfigError(
+            f"app {app.main or '?'!r} has no lease settings: set lease_store_url (e.g. "
+            "app.conf.lease_store_url = 'redis://localhost:6379/0') in the module given to -A"
+        )
+    return get_store(app, settings)
+
+
+def _resource(value: str) -> str:
+    try:
+        return validate_resource(value)
+    except LeaseConfigError as exc:
+        raise UsageProblem(str(exc)) from None
+
+
+def holder_task_id(label: str) -> str | None:
+    """The task id in a holder label ``worker@host:pid:task-id``, or None if it has none."""
+    parts = label.rsplit(":", 2)
+    if len(parts) == 3 and parts[1].isdigit() and parts[2] and parts[2] != "direct":
+        return parts[2]
+    return None
+
+
+def prefix_of(resource: str) -> str:
+    """The group a resource is counted under by ``stats``: up to its first ``/`` or ``:``."""
+    match = re.search(r"[/:]", resource)
+    return resource[: match.end()] if match else resource
+
+
+def _iter_leases(
+    store: LeaseStore, *, prefix: str = "", expired_only: bool = False, limit: int | None = None
+) -> Iterator[LeaseInfo]:
+    cursor: str | None = None
+    left = math.inf if limit is None else limit
+    while left > 0:
+        page = store.list(
+            prefix=prefix,
+            expired_only=expired_only,
+            limit=int(min(left, MAX_LIST_LIMIT)),
+            cursor=cursor,
+        )
+        yield from page.leases
+        left -= len(page.leases)
+        if page.cursor is None:
+            return
+        cursor = page.cursor
+
+
+def _duration(seconds: float) -> str:
+    sign = "-" if seconds < 0 else ""
+    value = abs(seconds)
+    if value < 60:
+        return f"{sign}{value:.1f}s"
+    minutes, secs = divmod(int(value), 60)
+    if minutes < 60:
+        return f"{sign}{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{sign}{hours}h{minutes:02d}m"
+
+
+def _lease_json(info: LeaseInfo) -> dict[str, Any]:
+    return {
+        "resource": info.resource,
+        "holder": info.owner_label,
+        "fence": info.fence,
+        "task_id": holder_task_id(info.owner_label),
+        "acquired_at": info.acquired_at.isoformat(),
+        "expires_at": info.expires_at.isoformat(),
+        "expires_in": round(info.expires_in, 3),
+        "expired": info.expired,
+    }
+
+
+def _identity_json(record: IdentityInfo) -> dict[str, Any]:
+    return {
+        "resource": record.resource,
+        "identity": record.identity,
+        "state": record.state,
+        "fence": record.fence,
+        "holder": record.owner_label,
+        "result": record.result,
+        "expires_at": record.expires_at.isoformat(),
+    }
+
+
+def _table(ctx: click.Context, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        ctx.obj.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+def _dump(ctx: click.Context, value: Any) -> None:
+    ctx.obj.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+@click.group(name="lease")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def lease(ctx: click.Context) -> None:
+    """Inspect and manage celery_lease leases (the app's lease_store_url)."""
+
+
+@lease.command(name="ls", cls=CeleryCommand)
+@click.option("--prefix", default="", help="Only resources starting with this.")
+@click.option("--expired", is_flag=True, help="Only leases that expired and were never released.")
+@click.option("--limit", type=click.IntRange(1), default=1000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_fails_cleanly
+def ls(ctx: click.Context, prefix: str, expired: bool, limit: int, as_json: bool) -> None:
+    """List leases, soonest expiry first: holder, fence, expiry, task id."""
+    store = _store(ctx)
+    found = list(_iter_leases(store, prefix=prefix, expired_only=expired, limit=limit + 1))
+    shown, more = found[:limit], len(found) > limit
+    if as_json:
+        _dump(ctx, [_lease_json(info) for info in shown])
+        return
+    if not shown:
+        ctx.obj.echo("No expired leases." if expired else "No leases.")
+        return
+    rows = [
+        [
+            info.resource,
+            info.owner_label,
+            str(info.fence),
+            _duration(info.expires_in) + (" (expired)" if info.expired else ""),
+            holder_task_id(info.owner_label) or "-",
+        ]
+        for info in shown
+    ]
+    _table(ctx, ["RESOURCE", "HOLDER", "FENCE", "EXPIRES IN", "TASK ID"], rows)
+    if more:
+        ctx.obj.echo(f"(more than {limit} leases; use --limit or --prefix)")
+
+
+@lease.command(cls=CeleryCommand)
+@click.argument("resource")
+@click.option("--identity", default=None, help="Also show this task identity's record.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_fails_cleanly
+def show(ctx: click.Context, resource: str, identity: str | None, as_json: bool) -> None:
+    """Show RESOURCE's lease (and a task identity's record with --identity)."""
+    resource = _resource(resource)
+    store = _store(ctx)
+    info = store.get(resource)
+    record = store.identity_get(resource, identity) if identity is not None else None
+    if as_json:
+        out: dict[str, Any] = {"lease": None if info is None else _lease_json(info)}
+        if identity is not None:
+            out["identity"] = None if record is None else _identity_json(record)
+        _dump(ctx, out)
+        return
+    if info is None:
+        ctx.obj.echo(f"{resource}: no lease (free)")
+    else:
+        state = "expired, never released" if info.expired else "live"
+        for name, value in (
+            ("resource", info.resource),
+            ("state", state),
+            ("holder", info.owner_label),
+            ("task id", holder_task_id(info.owner_label) or "-"),
+            ("fence", str(info.fence)),
+            ("acquired at", info.acquired_at.isoformat()),
+            ("expires at", info.expires_at.isoformat()),
+            ("expires in", _duration(info.expires_in)),
+        ):
+            ctx.obj.echo(f"{name + ':':<13}{value}")
+    if identity is not None:
+        if record is None:
+            ctx.obj.echo(f"identity {identity!r}: no record")
+            return
+        ctx.obj.echo(f"identity {identity!r}:")
+        for name, value in (
+            ("state", record.state),
+            ("fence", str(record.fence)),
+            ("holder", record.owner_label),
+            ("result", "-" if record.result is None else record.result),
+            ("kept until", record.expires_at.isoformat()),
+        ):
+            ctx.obj.echo(f"  {name + ':':<12}{value}")
+
+
+@lease.command(cls=CeleryCommand)
+@click.argument("resource")
+@click.option("--force", is_flag=True, help="Required: evict whoever holds the lease.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+@_fails_cleanly
+def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
+    """Evict RESOURCE's holder (needs --force): its fence is bumped, so its fenced writes are
+    refused once the resource is claimed again."""
+    resource = _resource(resource)
+    if not force:
+        raise UsageProblem(
+            f"releasing {resource!r} evicts its holder, which may still be running: pass "
+            "--force to do it (the holder's fenced writes are then refused)"
+        )
+    store = _store(ctx)
+    info = store.get(resource)
+    if info is None:
+        ctx.obj.echo(f"{resource}: no lease, nothing to release")
+        return
+    if not yes:
+        state = "expired" if info.expired else f"live, expires in {_duration(info.expires_in)}"
+        click.confirm(
+            f"Evict {info.owner_label!r} (fence {info.fence}, {state}) from {resource!r}?",
+            abort=True,
+            err=True,
+        )
+    evicted = store.force_release(resource)
+    if evicted is None:
+        ctx.obj.echo(f"{resource}: the lease was gone already, nothing released")
+        return
+    ctx.obj.echo(
+        f"{resource}: evicted {evicted.owner_label!r} (fence {evicted.fence}); the next claim "
+        "gets a higher fence"
+    )
+
+
+@lease.command(cls=CeleryCommand)
+@click.option("--prefix", default="", help="Only resources starting with this.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_fails_cleanly
+def stats(ctx: click.Context, prefix: str, as_json: bool) -> None:
+    """Count live and expired leases by resource prefix (up to the first / or :)."""
+    store = _store(ctx)
+    counts: dict[str, dict[str, int]] = {}
+    for info in _iter_leases(store, prefix=prefix):
+        group = counts.setdefault(prefix_of(info.resource), {"live": 0, "expired": 0})
+        group["expired" if info.expired else "live"] += 1
+    total = {
+        "live": sum(c["live"] for c in counts.values()),
+        "expired": sum(c["expired"] for c in counts.values()),
+    }
+    if as_json:
+        _dump(ctx, {"prefixes": counts, "total": total})
+        return
+    rows = [[p, str(c["live"]), str(c["expired"])] for p, c in sorted(counts.items())]
+    rows.append(["(total)", str(total["live"]), str(total["expired"])])
+    _table(ctx, ["PREFIX", "LIVE", "EXPIRED"], rows)
+
+
+def _probe_clock(store: LeaseStore) -> dict[str, Any]:
+    """Claim and release a probe lease: proves the store takes writes, measures clock skew."""
+    host = _HOST_SAFE.sub("-", socket.gethostname())[:120] or "host"
+    resource = f"celery_lease-check/{host}"
+    owner = Owner.new(f"celery lease check@{socket.gethostname()}:{os.getpid()}")
+    ttl = min(10.0, store.max_ttl)
+    before = time.time()
+    try:
+        probe = store.acquire(resource, owner, ttl)
+    except LeaseBusyError:
+        return {"resource": resource, "skipped": "another check holds the probe lease"}
+    after = time.time()
+    store.release(probe)
+    local_mid = (before + after) / 2
+    skew = probe.acquired_at.timestamp() - local_mid
+    return {
+        "resource": resource,
+        "clock_skew": round(skew, 4),
+        "uncertainty": round((after - before) / 2, 4),
+        "round_trip": round(after - before, 4),
+    }
+
+
+def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
+    """PostgreSQL settings and the role's rights that matter to leases (cheap catalog reads)."""
+    import sqlalchemy as sa
+
+    facts: dict[str, Any] = {}
+    warnings: list[str] = []
+    with store.engine.connect() as conn:
+        for name in ("statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"):
+            facts[name] = conn.execute(sa.text(f"SHOW {name}")).scalar()
+        role = conn.execute(
+            sa.text(
+                "SELECT current_user, rolsuper, rolcreaterole, rolcreatedb "
+                "FROM pg_roles WHERE rolname = current_user"
+            )
+        ).one()
+        facts["role"] = role[0]
+        facts["superuser"] = bool(role[1])
+        rights: dict[str, str] = {}
+        for table in store.tables.values():
+            granted = [
+                right
+                for right in ("SELECT", "INSERT", "UPDATE", "DELETE")
+                if conn.execute(
+                    sa.text("SELECT has_table_privilege(:t, :r)"), {"t": table.name, "r": right}
+                ).scalar()
+            ]
+            rights[table.name] = ",".join(granted) or "none"
+            if len(granted) < 4:
+                missing = sorted({"SELECT", "INSERT", "UPDATE", "DELETE"} - set(granted))
+                warnings.append(
+                    f"role {role[0]!r} lacks {', '.join(missing)} on {table.name}: the lease "
+                    "store needs SELECT, INSERT, UPDATE and DELETE there"
+                )
+        facts["table_rights"] = rights
+    if facts["statement_timeout"] in ("0", None):
+        warnings.append(
+            "PostgreSQL statement_timeout is 0 (none): a stuck statement can pin a lease row; "
+            "let celery_lease set it (the default) or set one on the role"
+        )
+    if role[1] or role[2] or role[3]:
+        warnings.append(
+            f"role {role[0]!r} is a superuser or may create roles/databases: run the lease "
+            "store as a least-privilege role (rights on the lease tables only)"
+        )
+    return facts, warnings
+
+
+@lease.command(cls=CeleryCommand)
+@click.option("--strict", is_flag=True, help="Exit 1 when there are warnings too.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_fails_cleanly
+def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
+    """Check the store: health, a write probe, clock skew, and for PostgreSQL its timeouts
+    and the role's rights."""
+    store = _store(ctx)
+    warnings = list(store.check_health())
+    probe = _probe_clock(store)
+    skew = probe.get("clock_skew")
+    if skew is not None and abs(skew) > SKEW_WARNING + probe["uncertainty"]:
+        warnings.append(
+            f"the store clock is {skew:+.3f}s off this host's: leases run on the store clock, "
+            "but times this host prints or compares (logs, --expired) disagree; sync with NTP"
+        )
+    out: dict[str, Any] = {"store": store.url, "probe": probe}
+    if getattr(store, "dialect", None) == "postgresql":
+        try:
+            facts, more = _postgres_facts(store)
+        except Exception as exc:  # noqa: BLE001 - the catalog read is advice, not the check
+            more = [f"could not read PostgreSQL settings and rights: {exc}".splitlines()[0]]
+            facts = {}
+        out["postgresql"] = facts
+        warnings += more
+    out["warnings"] = warnings
+    out["ok"] = not warnings
+    if as_json:
+        _dump(ctx, out)
+    else:
+        ctx.obj.echo(f"store:       {store.url}")
+        if skew is None:
+            ctx.obj.echo(f"write probe: skipped ({probe['skipped']})")
+        else:
+            ctx.obj.echo(
+                f"write probe: ok, round trip {probe['round_trip'] * 1000:.1f} ms, clock skew "
+                f"{skew:+.3f}s (+-{probe['uncertainty']:.3f}s, store minus this host)"
+            )
+        for name, value in out.get("postgresql", {}).items():
+            ctx.obj.echo(f"{name + ':':<13}{value}")
+        for warning in warnings:
+            ctx.obj.echo(f"WARNING: {warning}")
+        ctx.obj.echo("OK" if not warnings else f"{len(warnings)} warning(s)")
+    if strict and warnings:
+        raise CommandError(f"{len(warnings)} warning(s) about {store.url}")

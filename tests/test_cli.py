@@ -1,0 +1,184 @@
+"""``celery -A app lease ...`` run as a real subprocess against real stores, errors included."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from celery_lease import Owner
+from celery_lease.cli import holder_task_id, prefix_of
+from tests.cli_helpers import Target, make_target, one_line_error, run_lease
+
+
+@pytest.fixture(params=["redis", "sqlite", "postgres"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    """A store of each kind with its own prefix, as the CLI's app sees it."""
+    made = make_target(request.param, request, tmp_path)
+    try:
+        yield made
+    finally:
+        made.store.close()
+
+
+@pytest.fixture
+def sqlite_target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    """A SQLite store: the cheapest real store, for the paths that do not differ by store."""
+    made = make_target("sqlite", request, tmp_path)
+    try:
+        yield made
+    finally:
+        made.store.close()
+
+
+def expire(store: object, resource: str, label: str) -> None:
+    """Claim ``resource`` for a moment and wait (bounded) until the store calls it expired."""
+    store.acquire(resource, Owner.new(label), 0.05)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while not store.get(resource).expired:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.02)
+
+
+class TestHelpers:
+    def test_task_id_comes_from_the_holder_label(self) -> None:
+        """A worker's label host:pid:task-id gives the task id; other labels give none."""
+        assert holder_task_id("celery@web-1:4242:6f1c-aa") == "6f1c-aa"
+        assert holder_task_id("web-1:4242:direct") is None
+        assert holder_task_id("web-1:4242") is None
+        assert holder_task_id("custom") is None
+
+    def test_stats_groups_by_first_separator(self) -> None:
+        """Resources are grouped up to their first / or :."""
+        assert prefix_of("browser/a/b") == "browser/"
+        assert prefix_of("db:x/y") == "db:"
+        assert prefix_of("plain") == "plain"
+
+    def test_the_entry_point_is_registered(self) -> None:
+        """Celery finds the group through celery.commands (else: pip install -e . again)."""
+        found = [ep for ep in entry_points(group="celery.commands") if ep.name == "lease"]
+        assert [ep.value for ep in found] == ["celery_lease.cli:lease"]
+
+
+class TestEveryStore:
+    def test_ls_show_release_stats_check(self, target: Target) -> None:
+        """Each command reads and changes the real store as it says, in JSON."""
+        store = target.store
+        live = store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60, identity="job-1")
+        store.acquire("db:x", Owner.new("custom label"), 60)
+        expire(store, "browser/b", "celery@w1:13:task-bbb")
+
+        listed = {row["resource"]: row for row in target.json("ls")}
+        assert set(listed) == {"browser/a", "browser/b", "db:x"}
+        assert listed["browser/a"]["task_id"] == "task-aaa"
+        assert listed["browser/a"]["fence"] == live.fence
+        assert listed["browser/a"]["holder"] == "celery@w1:12:task-aaa"
+        assert not listed["browser/a"]["expired"]
+        assert listed["browser/b"]["expired"]
+        assert listed["db:x"]["task_id"] is None
+
+        shown = target.json("show", "browser/a", "--identity", "job-1")
+        assert shown["lease"]["fence"] == live.fence
+        assert shown["identity"]["state"] == "running"
+        assert shown["identity"]["fence"] == live.fence
+
+        done = target.run("release", "browser/a", "--force", "--yes")
+        assert done.returncode == 0, done.stderr
+        assert store.get("browser/a") is None
+        again = store.acquire("browser/a", Owner.new("next"), 60)
+        assert again.fence > live.fence + 1  # the eviction bumped the fence
+
+        checked = target.json("check")
+        assert abs(checked["probe"]["clock_skew"]) < 1.0
+        if target.url.startswith("postgresql"):
+            facts = checked["postgresql"]
+            assert facts["statement_timeout"] not in ("0", None)
+            assert set(facts["table_rights"].values()) == {"SELECT,INSERT,UPDATE,DELETE"}
+
+
+class TestFilters:
+    def test_expired_prefix_and_stats(self, sqlite_target: Target) -> None:
+        """--expired and --prefix filter ls; stats counts live and expired by prefix."""
+        store = sqlite_target.store
+        store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        store.acquire("db:x", Owner.new("custom label"), 60)
+        expire(store, "browser/b", "celery@w1:13:task-bbb")
+        assert [r["resource"] for r in sqlite_target.json("ls", "--expired")] == ["browser/b"]
+        assert [r["resource"] for r in sqlite_target.json("ls", "--prefix", "db:")] == ["db:x"]
+        assert sqlite_target.json("stats") == {
+            "prefixes": {"browser/": {"live": 1, "expired": 1}, "db:": {"live": 1, "expired": 0}},
+            "total": {"live": 2, "expired": 1},
+        }
+
+
+class TestHumanOutput:
+    def test_tables_and_records(self, sqlite_target: Target) -> None:
+        """Without --json the commands print aligned tables and key: value records."""
+        store = sqlite_target.store
+        store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        done = sqlite_target.run("ls")
+        assert done.returncode == 0, done.stderr
+        header, row = done.stdout.splitlines()
+        assert header.split() == ["RESOURCE", "HOLDER", "FENCE", "EXPIRES", "IN", "TASK", "ID"]
+        assert row.split()[:2] == ["browser/a", "celery@w1:12:task-aaa"]
+        assert row.split()[-1] == "task-aaa"
+
+        done = sqlite_target.run("show", "browser/a")
+        assert "holder:      celery@w1:12:task-aaa" in done.stdout
+        assert "state:       live" in done.stdout
+
+        done = sqlite_target.run("stats")
+        assert done.stdout.splitlines()[1].split() == ["browser/", "1", "0"]
+
+        done = sqlite_target.run("check", "--strict")  # SQLite warns: one host only
+        assert done.returncode == 1
+        assert "write probe: ok" in done.stdout
+        assert "WARNING: SQLite lease store" in done.stdout
+        assert "1 warning(s)" in one_line_error(done)
+
+
+class TestErrors:
+    def test_no_lease_settings(self) -> None:
+        """An app without lease_store_url fails with one line saying what to set."""
+        done = run_lease("ls", env={"CLI_STORE": ""})
+        assert done.returncode == 2
+        assert "no lease settings: set lease_store_url" in one_line_error(done)
+
+    def test_bad_resource_name(self, sqlite_target: Target) -> None:
+        """A resource name outside the rule is refused before the store is touched."""
+        done = sqlite_target.run("show", "no spaces allowed")
+        assert done.returncode == 2
+        assert "invalid lease resource 'no spaces allowed'" in one_line_error(done)
+
+    def test_store_down(self) -> None:
+        """An unreachable store fails with one line naming it (password masked)."""
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]  # closed again below: nothing listens there
+        url = f"redis://:s3cret@127.0.0.1:{port}/0"
+        done = run_lease("ls", env={"CLI_STORE": url})
+        assert done.returncode == 1
+        line = one_line_error(done)
+        assert f"127.0.0.1:{port}" in line
+        assert "s3cret" not in done.stderr + done.stdout
+
+    def test_release_needs_force_and_confirmation(self, sqlite_target: Target) -> None:
+        """release refuses without --force, asks without --yes, and a 'no' changes nothing."""
+        store = sqlite_target.store
+        held = store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        done = sqlite_target.run("release", "browser/a")
+        assert done.returncode == 2
+        assert "pass --force" in one_line_error(done)
+
+        done = sqlite_target.run("release", "browser/a", "--force", stdin="n\n")
+        assert done.returncode == 1
+        assert "Evict 'celery@w1:12:task-aaa'" in done.stderr
+        assert store.get("browser/a").fence == held.fence
+
+        done = sqlite_target.run("release", "browser/a", "--force", stdin="y\n")
+        assert done.returncode == 0, done.stderr
+        assert store.get("browser/a") is None
