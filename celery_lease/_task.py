@@ -45,6 +45,7 @@ from ._errors import (
     LeaseStoreError,
     StaleFenceError,
 )
+from ._eventlog import lease_log
 from ._interrupt import Interrupter, eventlet_patched
 from ._lease import Lease, Owner
 from ._ledger import decode, encode
@@ -290,6 +291,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
         events.count("celery_lease_claims_total")
+        self._log("claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
             # The claim's reply came back after the self-fence deadline (the store was slow or
@@ -307,15 +309,15 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease.extra["reconcile_effect"] = hook
         if lease.recovered:
             events.count("celery_lease_takeovers_total")
-            log.warning(
-                "task %s[%s] took over %r (fence %d) from %r (fence %s), which did not finish (%s)",
-                self.name,
-                request.id,
+            self._log(
+                "recovered",
+                logging.WARNING,
                 resource,
                 lease.fence,
-                lease.previous_owner_label,
-                lease.previous_fence,
-                lease.identity_state or "lease expired without release",
+                lease.owner.label,
+                previous_holder=lease.previous_owner_label,
+                previous_fence=lease.previous_fence,
+                state=lease.identity_state or "expired without release",
             )
             self._lease_event(
                 "task-lease-recovered",
@@ -347,14 +349,15 @@ class LeaseTask(Task):  # type: ignore[misc]
         request = self.request
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         events.count("celery_lease_duplicates_total")
-        log.info(
-            "task %s[%s] duplicate%s: identity %r already completed with fence %s; returning "
-            "the recorded result",
-            self.name,
-            request.id,
-            " (redelivered)" if redelivered else "",
-            done.identity,
+        self._log(
+            "duplicate",
+            logging.INFO,
+            done.resource,
             done.fence,
+            None,
+            identity=done.identity,
+            redelivered=redelivered,
+            action="returned the recorded result",
         )
         return decode(done.result)
 
@@ -406,7 +409,15 @@ class LeaseTask(Task):  # type: ignore[misc]
                 lost = lease.lost or lease.mark_lost(
                     LeaseLostError.lost(lease.resource, lease.fence, "stale_fence")
                 )
-                log.warning("task %s[%s]: %s", self.name, self.request.id, exc)
+                self._log(
+                    "stale_fence",
+                    logging.WARNING,
+                    lease.resource,
+                    lease.fence,
+                    lease.owner.label,
+                    key=exc.key,
+                    newer_fence=exc.highest,
+                )
                 return self._lease_lost(lost, lease, settings)
             except SoftTimeLimitExceeded:
                 interrupter.disarm()
@@ -466,6 +477,14 @@ class LeaseTask(Task):  # type: ignore[misc]
                 result=recorded,
             ):
                 events.count("celery_lease_releases_total")
+                self._log(
+                    "released",
+                    logging.DEBUG,
+                    lease.resource,
+                    lease.fence,
+                    lease.owner.label,
+                    outcome=outcome,
+                )
         except LeaseError as exc:
             log.warning(
                 "could not release %r (it expires by itself within its ttl): %s", lease, exc
@@ -495,14 +514,16 @@ class LeaseTask(Task):  # type: ignore[misc]
             )
         delay = self._busy_delay(waits, settings)
         events.count("celery_lease_busy_waits_total")
-        log.info(
-            "task %s[%s] waits %.2fs (wait %d)%s: %s",
-            self.name,
-            request.id,
-            delay,
-            waits + 1,
-            " as a duplicate of the running execution" if duplicate else "",
-            busy,
+        self._log(
+            "busy",
+            logging.INFO,
+            busy.resource,
+            busy.fence,
+            busy.holder_label,
+            action="wait",
+            wait=f"{delay:.2f}s",
+            waits=waits + 1,
+            duplicate=duplicate or None,
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         # The store answered: a later outage starts its own budget.
@@ -522,7 +543,14 @@ class LeaseTask(Task):  # type: ignore[misc]
         """
         request = self.request
         skipped = LeaseBusyError(f"skipped (on_busy='skip'): {busy}", *busy.args[1:])
-        log.warning("task %s[%s] skipped: %s", self.name, request.id, busy)
+        self._log(
+            "skipped",
+            logging.WARNING,
+            busy.resource,
+            busy.fence,
+            busy.holder_label,
+            why="on_busy='skip'",
+        )
         self._lease_event("task-lease-busy", action="skip", **_busy_fields(busy))
         if not (self.ignore_result or getattr(request, "ignore_result", False)):
             try:
@@ -585,11 +613,22 @@ class LeaseTask(Task):  # type: ignore[misc]
         events.count("celery_lease_leases_lost_total", reason=reason)
         if reason in EXPIRY_REASONS:
             events.count("celery_lease_expired_while_running_total")
-        log.warning("task %s[%s]: %s", self.name, request.id, lost)
-        if request.is_eager or request.called_directly:
-            raise lost
+        eager = bool(request.is_eager or request.called_directly)
         retries = int(_header(request, LOST_HEADER) or 0)
-        if retries >= settings.lost_max_retries:
+        gave_up = not eager and retries >= settings.lost_max_retries
+        if not lease.extra.pop("lost_logged", False):  # said once, when it happened
+            self._log(
+                "lost",
+                logging.WARNING,
+                lease.resource,
+                lease.fence,
+                lost.holder_label,
+                reason=reason,
+                action="raise" if eager else ("fail" if gave_up else "rerun"),
+            )
+        if eager:
+            raise lost
+        if gave_up:
             raise LeaseLostError(
                 f"{lost} (gave up after {retries} re-runs; raise lease_lost_max_retries)",
                 *lost.args[1:],
@@ -606,7 +645,18 @@ class LeaseTask(Task):  # type: ignore[misc]
     ) -> None:
         """Renewer callback: the lease is gone while the body runs. Stop the body."""
         lease = hold.lease
-        log.warning("lease lost while task %s[%s] runs: %s", self.name, task_id, error)
+        lease.extra["lost_logged"] = True
+        lease_log(
+            "lost",
+            logging.WARNING,
+            resource=lease.resource,
+            fence=lease.fence,
+            holder=error.holder_label,
+            task_id=task_id,
+            task=self.name,
+            reason=error.reason,
+            action="interrupt the body",
+        )
         interrupter.interrupt()
         self._lease_event(
             "task-lease-lost",
@@ -635,6 +685,27 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         signature.apply_async()
         raise Retry(exc=exc, when=delay, sig=signature)
+
+    def _log(
+        self,
+        event: str,
+        level: int,
+        resource: str | None,
+        fence: int | None,
+        holder: str | None,
+        **fields: Any,
+    ) -> None:
+        """One structured line for a lease event of this execution (see _eventlog)."""
+        lease_log(
+            event,
+            level,
+            resource=resource,
+            fence=fence,
+            holder=holder,
+            task_id=self.request.id,
+            task=self.name,
+            **{k: v for k, v in fields.items() if v is not None},
+        )
 
     def _lease_event(
         self,

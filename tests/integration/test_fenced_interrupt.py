@@ -66,7 +66,7 @@ def test_an_interrupt_inside_fenced_update_sends_the_task_to_retry(
         wait_for(update_waits_for_the_lock, 10, "fenced_update to block on the row lock")
         assert store.force_release("row-0") is not None
         # The renewer finds the lease released and interrupts the body inside psycopg.
-        wait_for(lambda: "lease lost while task" in worker.log(), 10, "the loss")
+        wait_for(lambda: "action=\"interrupt the body\"" in worker.log(), 10, "the loss")
         blocker.rollback()
     outcome = wait_for(
         lambda: (
