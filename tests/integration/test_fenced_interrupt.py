@@ -59,14 +59,14 @@ def test_an_interrupt_inside_fenced_update_sends_the_task_to_retry(
             row = monitor.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                 "AND query ILIKE %s",
-                (f"UPDATE%{table}%",),
+                (f"%UPDATE%{table}%",),  # (a WITH ... FOR UPDATE CTE first, since d52a24c)
             ).fetchone()
             return bool(row and row[0])
 
         wait_for(update_waits_for_the_lock, 10, "fenced_update to block on the row lock")
         assert store.force_release("row-0") is not None
         # The renewer finds the lease released and interrupts the body inside psycopg.
-        wait_for(lambda: "action=\"interrupt the body\"" in worker.log(), 10, "the loss")
+        wait_for(lambda: 'action="interrupt the body"' in worker.log(), 10, "the loss")
         blocker.rollback()
     outcome = wait_for(
         lambda: (
