@@ -3,9 +3,10 @@
 A store takes a connection for each call and gives it back when the call ends. Caching one per
 thread looks the same under the prefork, solo and threads pools, but under gevent a
 ``threading.local`` is per greenlet, and Celery's gevent pool runs every task in a new greenlet:
-each task left a connection behind (redis-py ran out after 100, PostgreSQL reached 1,000
-sessions). With a :class:`FreeList` the connections open at any moment are at most the calls in
-flight at the busiest moment so far, of which at most ``max_idle`` stay open once idle.
+each task opened a connection of its own (redis-py's pool ran out after 100 tasks; PostgreSQL
+paid a new session per task). With a :class:`FreeList` the connections open at any moment are at
+most the calls in flight at the busiest moment so far, of which at most ``max_idle`` stay open
+once idle.
 
 * Last in, first out: the connection used most recently is warm (its socket buffers, the
   server's per-connection state) and the ones at the bottom may be closed as surplus.
