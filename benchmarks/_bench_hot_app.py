@@ -1,0 +1,155 @@
+"""The Celery app that ``bench_hot.py`` runs in real workers (and publishes from).
+
+Configured from ``CELERY_LEASE_HOT_*`` environment variables set by the benchmark, so the
+worker subprocesses and the publishing process build the same app. Every task takes
+``(i, run, hold)``: ``i`` is its place in the publish order, ``run`` tags the run (and names
+the one resource every task of the run contends for, ``hot/<run>``), ``hold`` is how long the
+body sleeps.
+
+What each task does is written to the report Redis (its own server, never the store), one
+``RPUSH`` per attempt, after the attempt ends (``task_postrun``, after the lease release):
+``{"i", "pid", "attempt_at", "start", "end", "state", "calls"}`` where ``start``/``end`` bracket
+the body (absent when the attempt did not run it) and ``calls`` counts the lease store calls
+this attempt made (acquire, release, ... counted in-process by wrapping the store methods,
+whatever the store). Times are ``time.time()`` (one clock for every process on the machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from celery_lease import lease_task
+from celery_lease.stores.base import BaseLeaseStore
+
+env = os.environ
+PREFIX = "CELERY_LEASE_HOT_"
+
+app = Celery("celery_lease_bench_hot", broker=env.get(f"{PREFIX}BROKER", "memory://"))
+app.conf.update(
+    task_ignore_result=True,
+    result_backend=None,
+    task_acks_late=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"visibility_timeout": 3600},
+    worker_hijack_root_logger=True,
+    lease_store_url=env.get(f"{PREFIX}REDIS_STORE", "") or "sqlite://",
+    lease_key_prefix="celery_lease_hot:",
+    lease_table_prefix="celery_lease_hot_",
+)
+
+RESOURCE = "hot/{run}"
+STORES = {
+    "redis": env.get(f"{PREFIX}REDIS_STORE", ""),
+    "postgres": env.get(f"{PREFIX}PG_STORE", ""),
+    "sqlite": env.get(f"{PREFIX}SQLITE_STORE", ""),
+}
+
+_local = threading.local()
+_report_client: redis.Redis | None = None
+_report_pid: int | None = None
+
+
+def _body(i: int, run: str, hold: float) -> None:
+    _local.start = time.time()
+    time.sleep(hold)
+    _local.end = time.time()
+
+
+for _store, _url in STORES.items():
+    if _url:
+        lease_task(
+            resource=RESOURCE,
+            store_url=_url,
+            app=app,
+            name=f"hot.lease_{_store}",
+            ignore_result=True,
+        )(_body)
+
+
+@app.task(name="hot.dedicated", ignore_result=True)
+def dedicated(i: int, run: str, hold: float) -> None:
+    """The workaround: a plain task on a queue of its own, consumed by one ``-c 1`` worker."""
+    _body(i, run, hold)
+
+
+HOT_TASKS = frozenset(name for name in app.tasks if name.startswith("hot."))
+
+
+# -- counting store calls --------------------------------------------------------------------
+def _counted(method: Any) -> Any:
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _local.calls = getattr(_local, "calls", 0) + 1
+        return method(self, *args, **kwargs)
+
+    return call
+
+
+def _count_store_calls() -> None:
+    from celery_lease.stores.memory import MemoryLeaseStore
+    from celery_lease.stores.redis import RedisLeaseStore
+
+    classes: list[type[BaseLeaseStore]] = [RedisLeaseStore, MemoryLeaseStore]
+    try:
+        from celery_lease.stores.sql import SQLLeaseStore
+
+        classes.append(SQLLeaseStore)
+    except ImportError:  # pragma: no cover - depends on the install
+        pass
+    # Every operation a task's attempt may send (the renewer's calls run in its own thread
+    # and are not counted: at the default ttl of 60 s a short body is never renewed).
+    names = ("acquire", "release", "wake", "verify", "renew", "renew_many")
+    for cls in classes:
+        for name in names:
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_hot_counted", False):
+                wrapped = _counted(method)
+                wrapped._hot_counted = True  # type: ignore[attr-defined]
+                setattr(cls, name, wrapped)
+
+
+_count_store_calls()
+
+
+# -- the report --------------------------------------------------------------------------------
+def _reporter() -> redis.Redis:
+    global _report_client, _report_pid  # noqa: PLW0603 - remade after fork
+    if _report_client is None or _report_pid != os.getpid():
+        _report_client = redis.Redis.from_url(env[f"{PREFIX}REPORT"], socket_timeout=10)
+        _report_pid = os.getpid()
+    return _report_client
+
+
+@signals.task_prerun.connect
+def _prerun(task: Any = None, **_: Any) -> None:
+    if task.name not in HOT_TASKS:
+        return
+    _local.attempt_at = time.time()
+    _local.start = _local.end = None
+    _local.calls = 0
+
+
+@signals.task_postrun.connect
+def _postrun(task: Any = None, args: Any = None, state: Any = None, **_: Any) -> None:
+    if task.name not in HOT_TASKS:
+        return
+    i, run = args[0], args[1]
+    record = {
+        "i": i,
+        "pid": os.getpid(),
+        "attempt_at": _local.attempt_at,
+        "start": _local.start,
+        "end": _local.end,
+        "state": state,
+        "calls": getattr(_local, "calls", 0),
+    }
+    _reporter().rpush(f"hot:{run}", json.dumps(record))
