@@ -136,7 +136,8 @@ class LeaseLostError(LeaseError):
         fence: the fence this owner held.
         holder_label: who holds the resource now, when known.
         reason: a short machine-readable cause (``expired``, ``taken_over``, ``released``,
-            ``self_fenced``, ``max_runtime``, ``renew_failed``, ``store_reset``, ``stale_fence``).
+            ``force_released`` (an administrator evicted it), ``self_fenced``, ``max_runtime``,
+            ``renew_failed``, ``store_reset``, ``stale_fence``).
     """
 
     def __init__(

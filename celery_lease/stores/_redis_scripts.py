@@ -8,8 +8,11 @@ so no user input ever becomes part of a lease key name or pattern)::
                                   "\n<prev_fence>\n<identity_state>\n<prev_label>" (the recovery
                                   facts, so a claim retried after a lost reply returns them too)
     <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
-    <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset), and
-                                  "!epoch" -> server time (us) when the shard was first written
+    <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset),
+                                  "!epoch" -> server time (us) when the shard was first written,
+                                  and "!forced:<resource>" -> "<evicted fence> <fence after>" of
+                                  the last force-release there (until the next claim, its owner
+                                  learns why it lost the lease)
     <prefix>{NN}:ids       hash   "<resource>|<identity>" ->
                                   "<state>\n<fence>\n<token>\n<label>\n<result>"
     <prefix>{NN}:ids_exp   zset   "<resource>|<identity>" -> when the record expires (us)
@@ -40,6 +43,18 @@ _PARSE = """
 -- token, fence, acquired, expires, label, tail ('' or the recovery facts, see the key layout)
 local function parse(rec)
   return string.match(rec, '^(%x+) (%d+) (%d+) (%d+) ([^\\n]*)(.*)$')
+end
+"""
+_GONE = """
+-- why the lease of this resource and fence has no record: the shard lost its data, an
+-- administrator force-released it (and nobody claimed the resource since), or it was released
+local function gone(fences, res, fence)
+  local marks = redis.call('HMGET', fences, '!epoch', '!forced:' .. res, res)
+  if not marks[1] then return 'store_reset' end
+  if marks[2] and marks[2] == fence .. ' ' .. tostring(marks[3]) then
+    return 'force_released'
+  end
+  return 'released'
 end
 """
 _IDENT = """
@@ -159,10 +174,12 @@ RENEW = (
 -- ARGV[4i-3] resource, ARGV[4i-2] owner token, ARGV[4i-1] fence, ARGV[4i] ttl (us) of lease i;
 -- a ttl of 0 only verifies the lease and changes nothing
 -- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence};
--- reason 'store_reset' when the shard's epoch is gone (the server lost its data)
+-- reason 'store_reset' when the shard's epoch is gone (the server lost its data),
+-- 'force_released' when an administrator evicted this lease
 """
     + _NOW
     + _PARSE
+    + _GONE
     + """
 local out = {now}
 for i = 1, #KEYS / 3 do
@@ -170,11 +187,7 @@ for i = 1, #KEYS / 3 do
   local res, tok, fence, ttl = ARGV[4 * i - 3], ARGV[4 * i - 2], ARGV[4 * i - 1], ARGV[4 * i]
   local cur = redis.call('HGET', leases, res)
   if not cur then
-    if redis.call('HEXISTS', fences, '!epoch') == 0 then
-      out[#out + 1] = {0, 'store_reset'}
-    else
-      out[#out + 1] = {0, 'released'}
-    end
+    out[#out + 1] = {0, gone(fences, res, fence)}
   else
     local ctok, cf, a, e, label, tail = parse(cur)
     if ctok ~= tok or cf ~= fence then
@@ -266,11 +279,16 @@ FORCE_RELEASE = (
     + _PRELUDE
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
 local fence = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') + 1
 if fence < now then fence = now end
 redis.call('HSET', KEYS[3], ARGV[1], fmt(fence))
+if cur then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  local _, evicted = parse(cur)
+  -- marks the eviction until the next claim moves the fence on (see gone())
+  redis.call('HSET', KEYS[3], '!forced:' .. ARGV[1], evicted .. ' ' .. fmt(fence))
+end
 return {now, cur, fence}
 """
 )
@@ -357,7 +375,7 @@ return {1, tonumber(ARGV[1])}
 
 EFFECT_BEGIN = (
     """
--- KEYS[1] leases hash, KEYS[2] ledger hash, KEYS[3] ledger_exp zset
+-- KEYS[1] leases hash, KEYS[2] ledger hash, KEYS[3] ledger_exp zset, KEYS[4] fences hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity, ARGV[5] effect key,
 -- ARGV[6] retention (us)
 -- proves the lease is live and ours, then records the effect's intent unless it is done
@@ -365,9 +383,10 @@ EFFECT_BEGIN = (
 --      or {0, reason, holder_label, holder_fence} when the lease is not ours
 """
     + _PRELUDE
+    + _GONE
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return {0, 'released'} end
+if not cur then return {0, gone(KEYS[4], ARGV[1], ARGV[3])} end
 local tok, f, a, e, label = parse(cur)
 if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
 if tonumber(e) <= now then return {0, 'expired'} end
@@ -410,15 +429,16 @@ return 1
 
 CHECKPOINT = (
     """
--- KEYS[1] leases hash, KEYS[2] ckpt hash
+-- KEYS[1] leases hash, KEYS[2] ckpt hash, KEYS[3] fences hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity, ARGV[5] data (JSON)
 -- stores the identity's checkpoints if the lease is live and ours and no newer fence wrote
 -- returns {1} or {0, reason, holder_label, holder_fence}
 """
     + _PRELUDE
+    + _GONE
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return {0, 'released'} end
+if not cur then return {0, gone(KEYS[3], ARGV[1], ARGV[3])} end
 local tok, f, a, e, label = parse(cur)
 if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
 if tonumber(e) <= now then return {0, 'expired'} end

@@ -54,7 +54,14 @@ class SQLLedgerMixin:
         def _run(self, what: str, work: Any) -> Any: ...
         def _immediate(self, cursor: Any) -> Any: ...
         def _why_lost(
-            self, lease: Lease, token: Any, label: Any, fence: Any, expires: Any, now: Any
+            self,
+            lease: Lease,
+            token: Any,
+            label: Any,
+            fence: Any,
+            expires: Any,
+            now: Any,
+            forced: Any = None,
         ) -> LeaseLostError: ...
         def _ledger_args(self, lease: Lease, key: str) -> tuple[str, str]: ...
         def _identity_args(self, identity: str | None) -> str | None: ...
@@ -138,7 +145,7 @@ class SQLLedgerMixin:
             with self._immediate(cursor):
                 cursor.execute(sql.lease_state, params)
                 current = cursor.fetchone()
-                token, _, fence_now, expires, now = current or (None, None, None, 0, 0)
+                token, _, fence_now, expires, now, _ = current or (None, None, None, 0, 0, None)
                 if token != lease.owner.token or fence_now != lease.fence or expires <= now:
                     return ("lost", current)
                 cursor.execute(sql.ledger_read, params)
@@ -150,7 +157,7 @@ class SQLLedgerMixin:
         for _ in range(3):
             answer = self._run(f"effect {key!r} of {lease.resource!r}", work)
             if answer[0] == "lost":
-                current = answer[1] or (None, None, None, None, None)
+                current = answer[1] or (None, None, None, None, None, None)
                 raise self._why_lost(lease, *current)
             _, up, state, fence, receipt = answer
             if up:
@@ -199,8 +206,8 @@ class SQLLedgerMixin:
             else:
                 with self._immediate(cursor):
                     cursor.execute(sql.lease_state, params)
-                    state = cursor.fetchone() or (None, None, None, 0, 0)
-                    token, _, fence_now, expires, now = state
+                    state = cursor.fetchone() or (None, None, None, 0, 0, None)
+                    token, _, fence_now, expires, now, _ = state
                     live = token == lease.owner.token and fence_now == lease.fence
                     live = live and expires > now
                     up = 0
@@ -217,7 +224,7 @@ class SQLLedgerMixin:
 
         answer = self._run(f"checkpoint of {lease.resource!r}", work)
         if answer[0] == "lost":
-            current = answer[1] or (None, None, None, None, None)
+            current = answer[1] or (None, None, None, None, None, None)
             error = self._why_lost(lease, *current)
             if error.reason == "expired" and current[0] == lease.owner.token:
                 error = LeaseLostError.lost(lease.resource, lease.fence, "taken_over")

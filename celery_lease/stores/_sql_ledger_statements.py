@@ -51,7 +51,7 @@ class LedgerStatements:
             SELECT data FROM {ckpt}
             WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
         self.lease_state = f"""
-            SELECT owner_token, owner_label, fence, expires_us, {now}
+            SELECT owner_token, owner_label, fence, expires_us, {now}, prev_fence
             FROM {t} WHERE resource = {p("r")}"""
         ledger_upsert = f"""
             INSERT INTO {ledger} AS x (resource, identity, key, state, fence, owner_token,

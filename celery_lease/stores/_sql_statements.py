@@ -82,8 +82,9 @@ class Statements:
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
               AND expires_us > {now}
             RETURNING expires_us"""
+        # prev_fence of a released row (NULL token) names a lease force_release evicted.
         self.state = f"""
-            SELECT owner_token, owner_label, fence, expires_us, {now}
+            SELECT owner_token, owner_label, fence, expires_us, {now}, prev_fence
             FROM {t} WHERE resource = {p("r")}"""
         self.release = f"""
             UPDATE {t} SET owner_token = NULL, prev_label = NULL,
@@ -105,8 +106,8 @@ class Statements:
         if dialect == "postgresql":
             # Old values come back through the locked sub-select joined to the update.
             self.force_release = f"""
-                UPDATE {t} AS l SET owner_token = NULL, fence = l.fence + 1,
-                    prev_label = NULL, prev_fence = NULL
+                UPDATE {t} AS l SET owner_token = NULL, fence = l.fence + 1, prev_label = NULL,
+                    prev_fence = CASE WHEN old.owner_token IS NULL THEN NULL ELSE old.fence END
                 FROM (SELECT resource, owner_token, owner_label, fence, acquired_us, expires_us
                       FROM {t} WHERE resource = {p("r")} FOR UPDATE) AS old
                 WHERE l.resource = old.resource
@@ -114,8 +115,8 @@ class Statements:
                     old.fence, old.acquired_us, old.expires_us, {now}"""
         else:
             self.force_release = f"""
-                UPDATE {t} SET owner_token = NULL, fence = fence + 1,
-                    prev_label = NULL, prev_fence = NULL
+                UPDATE {t} SET owner_token = NULL, fence = fence + 1, prev_label = NULL,
+                    prev_fence = CASE WHEN owner_token IS NULL THEN NULL ELSE fence END
                 WHERE resource = {p("r")}"""
 
         g = gate_table
@@ -141,7 +142,7 @@ class Statements:
 
         Parameters, per lease: its index, resource, owner token, fence, ttl (us). Rows: index,
         new expires_us (NULL when not renewed), then the row's owner_token, owner_label, fence,
-        expires_us and the clock as they were before the update.
+        expires_us, the clock and prev_fence as they were before the update.
         """
         t = self.table
         values = ", ".join(["(%s::int, %s, %s, %s::bigint, %s::bigint)"] * count)
@@ -155,7 +156,7 @@ class Statements:
                   AND l.fence = req.fence AND l.expires_us > clk.us
                 RETURNING req.i, l.expires_us)
             SELECT req.i, upd.expires_us, l.owner_token, l.owner_label, l.fence,
-                   l.expires_us, clk.us
+                   l.expires_us, clk.us, l.prev_fence
             FROM req CROSS JOIN clk
             LEFT JOIN upd ON upd.i = req.i
             LEFT JOIN {t} AS l ON l.resource = req.resource"""

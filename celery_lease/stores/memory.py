@@ -78,6 +78,8 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}
         self._gates: dict[str, int] = {}
+        # resource -> fence of the lease force-released there since its last claim
+        self._forced: dict[str, int] = {}
         # (resource, identity) -> [state, fence, label, result, expires_us, token]
         self._ids: dict[tuple[str, str], list[Any]] = {}
         # (resource, identity, key) -> [state, fence, receipt, expires_us, token]
@@ -122,6 +124,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             else:
                 fence = self._fences.get(resource, 0) + 1
                 self._fences[resource] = fence
+                self._forced.pop(resource, None)
                 record = _Record(owner.token, owner.label, fence, now, now + round(ttl * 1e6))
                 self._leases[resource] = record
                 previous = None if current is None else (current.label, current.fence)
@@ -174,7 +177,8 @@ class MemoryLeaseStore(BaseLeaseStore):
     def _live_record(self, lease: Lease, now: int) -> _Record | LeaseLostError:
         current = self._leases.get(lease.resource)
         if current is None:
-            return self._lost(lease, "released", None, None)
+            forced = self._forced.get(lease.resource) == lease.fence
+            return self._lost(lease, "force_released" if forced else "released", None, None)
         if current.token != lease.owner.token or current.fence != lease.fence:
             return self._lost(lease, "taken_over", current.label, current.fence)
         if current.expires_us <= now:
@@ -321,6 +325,8 @@ class MemoryLeaseStore(BaseLeaseStore):
         with self._lock:
             now = self._now_us()
             current = self._leases.pop(resource, None)
+            if current is not None:
+                self._forced[resource] = current.fence
             self._fences[resource] = self._fences.get(resource, 0) + 1
             return None if current is None else current.info(resource, now)
 

@@ -594,7 +594,7 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
         identity, key = self._ledger_args(lease, key)
-        keys = self._keys(self.shard_of(lease.resource), "leases", "ledger", "ledger_exp")
+        keys = self._keys(self.shard_of(lease.resource), "leases", "ledger", "ledger_exp", "fences")
         args: list[str | int] = [
             lease.resource,
             lease.owner.token,
@@ -627,7 +627,7 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def checkpoint(self, lease: Lease, data: str) -> None:
         identity, _ = self._ledger_args(lease, "checkpoint")
-        keys = self._keys(self.shard_of(lease.resource), "leases", "ckpt")
+        keys = self._keys(self.shard_of(lease.resource), "leases", "ckpt", "fences")
         args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, identity, data]
         with self._run("checkpoint of %r", lease.resource):
             reply = self._checkpoint(keys=keys, args=args)

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
+_NO_ROW = (None, None, None, None, None, None)  # a missing lease row, shaped like ``state``
 _SQLITE_MIN = (3, 35, 0)  # RETURNING
 
 
@@ -412,12 +413,12 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         rows = self._run("renewal", lambda c: self._renew_rows(c, leases, ttls), self._renewer_free)
         results: list[LeaseLostError | None] = []
         for lease, lease_ttl, row in zip(leases, ttls, rows, strict=True):
-            new_expires, token, label, fence, expires, now = row
+            new_expires, *state = row
             if new_expires is not None:
                 lease.renewed(sent, from_micros(new_expires), lease_ttl)
                 results.append(None)
             else:
-                results.append(self._why_lost(lease, token, label, fence, expires, now))
+                results.append(self._why_lost(lease, *state))
         return results
 
     def _renew_rows(
@@ -439,17 +440,26 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 cursor.execute(self.sql.renew_one, params)
                 renewed = cursor.fetchone()
                 if renewed is not None:
-                    rows.append((renewed[0], None, None, None, None, None))
+                    rows.append((renewed[0], *_NO_ROW))
                     continue
                 cursor.execute(self.sql.state, params)
-                state = cursor.fetchone() or (None, None, None, None, None)
-                rows.append((None, *state))
+                rows.append((None, *(cursor.fetchone() or _NO_ROW)))
         return rows
 
     def _why_lost(
-        self, lease: Lease, token: Any, label: Any, fence: Any, expires: Any, now: Any
+        self,
+        lease: Lease,
+        token: Any,
+        label: Any,
+        fence: Any,
+        expires: Any,
+        now: Any,
+        forced: Any = None,
     ) -> LeaseLostError:
+        """The loss, from the lease row's state (``forced``: its prev_fence, see ``state``)."""
         if token is None:
+            if forced is not None and forced == lease.fence:
+                return self._lost(lease, "force_released", None, None)
             return self._lost(lease, "released", None, None)
         if token != lease.owner.token or fence != lease.fence:
             return self._lost(lease, "taken_over", label, fence)
@@ -462,10 +472,10 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             f"verify of {lease.resource!r}",
             lambda c: _fetch(c, self.sql.state, params),
         )
-        token, label, fence, expires, now = row or (None, None, None, None, None)
+        token, label, fence, expires, now, forced = row or _NO_ROW
         if token == lease.owner.token and fence == lease.fence and expires > now:
             return
-        raise self._why_lost(lease, token, label, fence, expires, now)
+        raise self._why_lost(lease, token, label, fence, expires, now, forced)
 
     def release(
         self, lease: Lease, *, outcome: str | None = None, result: str | None = None

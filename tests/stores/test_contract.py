@@ -275,6 +275,36 @@ class TestReadAndAdmin:
         assert nxt.fence >= held.fence + 2
         assert store.force_release(names + "none") is None
 
+    def test_the_evicted_owner_learns_it_was_force_released(self, store, names):
+        """Renew and verify say force_released (not released) until the next claim."""
+
+        def loss(call, lease):
+            copy = Lease(  # a fresh handle: a handle keeps the first loss it saw
+                resource=lease.resource,
+                owner=lease.owner,
+                fence=lease.fence,
+                acquired_at=lease.acquired_at,
+                expires_at=lease.expires_at,
+                ttl=lease.ttl,
+                sent_monotonic=time.monotonic(),
+                store=store,
+            )
+            with pytest.raises(LeaseLostError) as caught:
+                call(copy)
+            return caught.value.reason, caught.value.holder_label
+
+        held = store.acquire(names + "a", Owner.new("stuck"), LONG)
+        store.force_release(names + "a")
+        assert loss(store.renew, held) == ("force_released", None)
+        assert loss(store.verify, held) == ("force_released", None)
+        released = store.acquire(names + "b", Owner.new("done"), LONG)
+        store.release(released)
+        assert loss(store.renew, released) == ("released", None)  # an ordinary release
+        nxt = store.acquire(names + "a", Owner.new("next"), LONG)
+        assert loss(store.verify, held) == ("taken_over", "next")
+        store.release(nxt)
+        assert loss(store.verify, held) == ("released", None)  # a later claim ends the mark
+
     def test_health_check_answers(self, store):
         """check_health() returns a list of warnings (possibly empty) from a reachable store."""
         assert isinstance(store.check_health(), list)

@@ -168,6 +168,19 @@ class TestLedger:
             store.effect_begin(plain, "charge")
 
 
+class TestForceReleased:
+    def test_effects_and_checkpoints_of_an_evicted_owner_say_force_released(self, store, names):
+        """The ledger and checkpoints refuse the evicted owner with the reason force_released."""
+        held = claim(store, names, owner="stuck")
+        store.force_release(names + "r")
+        with pytest.raises(LeaseLostError) as caught:
+            store.effect_begin(held, "charge")
+        assert caught.value.reason == "force_released"
+        with pytest.raises(LeaseLostError) as caught:
+            store.checkpoint(held, json.dumps({"page": 1}))
+        assert caught.value.reason == "force_released"
+
+
 class TestCheckpoints:
     def test_checkpoints_reach_the_next_owner(self, store, names):
         """Progress written by a crashed owner is handed to the one that recovers."""

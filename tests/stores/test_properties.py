@@ -89,6 +89,8 @@ class StoreModel:
         #: every next fence must be greater than this (None: never claimed, anything goes)
         self.floor: dict[int, int | None] = dict.fromkeys(RESOURCES)
         self.fences: dict[int, list[int]] = {r: [] for r in RESOURCES}
+        #: the fence force_release evicted, until the resource is claimed again
+        self.forced: dict[int, int | None] = dict.fromkeys(RESOURCES)
 
     def live(self, r: int) -> Held | None:
         held = self.holder[r]
@@ -102,7 +104,7 @@ class StoreModel:
         """Why a renew/verify of ``lease`` must fail (reason, holder label); ("", None) if not."""
         held = self.holder[r]
         if held is None:
-            return "released", None
+            return ("force_released" if self.forced[r] == lease.fence else "released"), None
         if (held.token, held.fence) != (lease.owner.token, lease.fence):
             return "taken_over", held.label
         if held.expired:
@@ -119,6 +121,7 @@ class StoreModel:
         )
         self.floor[r] = lease.fence
         self.fences[r].append(lease.fence)
+        self.forced[r] = None
 
 
 class LeaseMachine(RuleBasedStateMachine):
@@ -260,6 +263,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert evicted is None
         else:
             assert (evicted.owner_label, evicted.fence) == (held.label, held.fence)
+            self.model.forced[r] = held.fence
         self.model.holder[r] = None
         if self.model.floor[r] is not None:
             self.model.floor[r] += 1  # the next claim's fence skips at least one number
