@@ -11,7 +11,7 @@ so no user input ever becomes part of a lease key name or pattern)::
     <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset),
                                   "!epoch" -> server time (us) when the shard was first written,
                                   and "!forced:<resource>" -> "<evicted fence> <fence after>" of
-                                  the last force-release there (until the next claim, its owner
+                                  the last force-release there (until the fence moves on, its owner
                                   learns why it lost the lease)
     <prefix>{NN}:ids       hash   "<resource>|<identity>" ->
                                   "<state>\n<fence>\n<token>\n<label>\n<result>"
@@ -286,7 +286,7 @@ if cur then
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('ZREM', KEYS[2], ARGV[1])
   local _, evicted = parse(cur)
-  -- marks the eviction until the next claim moves the fence on (see gone())
+  -- marks the eviction until a claim or force-release moves the fence on (see gone())
   redis.call('HSET', KEYS[3], '!forced:' .. ARGV[1], evicted .. ' ' .. fmt(fence))
 end
 return {now, cur, fence}

@@ -78,7 +78,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}
         self._gates: dict[str, int] = {}
-        # resource -> fence of the lease force-released there since its last claim
+        # resource -> fence of the lease force-released there, until the fence moves on
         self._forced: dict[str, int] = {}
         # (resource, identity) -> [state, fence, label, result, expires_us, token]
         self._ids: dict[tuple[str, str], list[Any]] = {}
@@ -327,6 +327,8 @@ class MemoryLeaseStore(BaseLeaseStore):
             current = self._leases.pop(resource, None)
             if current is not None:
                 self._forced[resource] = current.fence
+            else:
+                self._forced.pop(resource, None)  # the fence moves on: the mark ends
             self._fences[resource] = self._fences.get(resource, 0) + 1
             return None if current is None else current.info(resource, now)
 

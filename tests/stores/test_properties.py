@@ -89,7 +89,7 @@ class StoreModel:
         #: every next fence must be greater than this (None: never claimed, anything goes)
         self.floor: dict[int, int | None] = dict.fromkeys(RESOURCES)
         self.fences: dict[int, list[int]] = {r: [] for r in RESOURCES}
-        #: the fence force_release evicted, until the resource is claimed again
+        #: the fence force_release evicted, until the fence moves on (a claim, another eviction)
         self.forced: dict[int, int | None] = dict.fromkeys(RESOURCES)
 
     def live(self, r: int) -> Held | None:
@@ -261,6 +261,7 @@ class LeaseMachine(RuleBasedStateMachine):
         evicted = self.store.force_release(self.name(r))
         if held is None:
             assert evicted is None
+            self.model.forced[r] = None  # the fence moved on again: the mark ends
         else:
             assert (evicted.owner_label, evicted.fence) == (held.label, held.fence)
             self.model.forced[r] = held.fence
