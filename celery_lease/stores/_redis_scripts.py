@@ -360,6 +360,40 @@ return out
 """
 )
 
+SWEEP = (
+    """
+-- KEYS[5s-4] ids hash, KEYS[5s-3] ids_exp zset, KEYS[5s-2] ckpt hash, KEYS[5s-1] ledger hash
+-- and KEYS[5s] ledger_exp zset of shard s, for every shard to sweep
+-- ARGV[1] the most entries to remove
+-- removes identity entries (with their checkpoints) and ledger entries past their retention,
+-- found through the retention indexes (cost proportional to what is removed)
+-- returns how many entries were removed
+"""
+    + _NOW
+    + """
+local left = tonumber(ARGV[1])
+local removed = 0
+local function drop(index, hash1, hash2)
+  if left <= 0 then return end
+  local old = redis.call('ZRANGEBYSCORE', index, '-inf', now, 'LIMIT', 0, left)
+  for i = 1, #old, 256 do  -- a bounded number of arguments per command
+    local chunk = {unpack(old, i, math.min(i + 255, #old))}
+    redis.call('HDEL', hash1, unpack(chunk))
+    if hash2 then redis.call('HDEL', hash2, unpack(chunk)) end
+    redis.call('ZREM', index, unpack(chunk))
+  end
+  left = left - #old
+  removed = removed + #old
+end
+for s = 1, #KEYS / 5 do
+  local k = 5 * (s - 1)
+  drop(KEYS[k + 2], KEYS[k + 1], KEYS[k + 3])
+  drop(KEYS[k + 5], KEYS[k + 4], false)
+end
+return removed
+"""
+)
+
 GATE_ADMIT = """
 -- KEYS[1] the fence gate key of one side-effect key
 -- ARGV[1] the fence to admit

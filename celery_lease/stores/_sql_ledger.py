@@ -64,6 +64,7 @@ class SQLLedgerMixin:
             forced: Any = None,
         ) -> LeaseLostError: ...
         def _ledger_args(self, lease: Lease, key: str) -> tuple[str, str]: ...
+        def _sweep_args(self, limit: int) -> int: ...
         def _identity_args(self, identity: str | None) -> str | None: ...
 
     @property
@@ -230,6 +231,26 @@ class SQLLedgerMixin:
                 error = LeaseLostError.lost(lease.resource, lease.fence, "taken_over")
                 lease.mark_lost(error)
             raise error
+
+    # -- retention ----------------------------------------------------------------------------
+    def sweep_expired(self, *, limit: int = 1000) -> int:
+        limit = self._sweep_args(limit)
+        statements = self.ledger_sql.sweep
+
+        def work(cursor: Any) -> int:
+            removed = 0
+            with self._immediate(cursor):
+                for statement in statements:  # identities, checkpoints, the ledger
+                    if removed >= limit:
+                        break
+                    cursor.execute(statement, {"n": limit - removed})
+                    if self.dialect == "postgresql":
+                        removed += int(cursor.fetchone()[0])
+                    else:
+                        removed += max(0, int(cursor.rowcount))
+            return removed
+
+        return int(self._run("sweep", work))
 
     def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
         validate_resource(resource)

@@ -82,6 +82,32 @@ class LedgerStatements:
             WHERE resource = {p("r")} AND identity = {p("i")} AND key = {p("k")} AND {alive}"""
         self.ckpt_fence = f"""
             SELECT fence FROM {ckpt} WHERE resource = {p("r")} AND identity = {p("i")}"""
+        # Retention sweep, one statement per table, each through the table's expiry index. On
+        # PostgreSQL the clock is read once per statement (a volatile clock_timestamp() per row
+        # would also keep the planner off the index), rows a claim has locked are skipped, and
+        # the outer WHERE re-checks the expiry of a row that a concurrent write refreshed.
+        keys = {ids: "resource, identity", ckpt: "resource, identity",
+                ledger: "resource, identity, key"}  # fmt: skip
+        if dialect == "sqlite":
+            self.sweep = [
+                f"""DELETE FROM {table} WHERE rowid IN (
+                    SELECT rowid FROM {table} WHERE expires_us <= {now}
+                    ORDER BY expires_us LIMIT {p("n")})"""
+                for table in keys
+            ]
+        else:
+            self.sweep = [
+                f"""
+                WITH clk AS (SELECT {now} AS us),
+                gone AS (
+                    DELETE FROM {table} WHERE ({cols}) IN (
+                        SELECT {cols} FROM {table} WHERE expires_us <= (SELECT us FROM clk)
+                        ORDER BY expires_us LIMIT {p("n")} FOR UPDATE SKIP LOCKED)
+                      AND expires_us <= (SELECT us FROM clk)
+                    RETURNING 1)
+                SELECT count(*) FROM gone"""
+                for table, cols in keys.items()
+            ]
         live = f"""
             SELECT 1 FROM {t}
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}

@@ -27,6 +27,9 @@ Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints)
    recorded with the same fence.
 9. Checkpoints are written only by the live owner, and never over a newer fence's.
 10. Identity, ledger and checkpoint records expire ``retention`` seconds after their last write.
+11. ``sweep_expired`` deletes identity, ledger and checkpoint records past their retention, at
+    most ``limit`` per call, found through an expiry index (cost proportional to what it
+    removes, not to what is kept). Lease records, which carry the fence, are never swept.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def connection_refused(exc: BaseException) -> bool:
 #: Long tasks keep short leases alive by renewing; a huge ttl only makes crash recovery slow.
 DEFAULT_MAX_TTL = 600.0
 MAX_LIST_LIMIT = 10_000
+MAX_SWEEP_LIMIT = 100_000
 
 
 #: Default for how long identity, ledger and checkpoint records are kept (7 days).
@@ -257,6 +261,25 @@ class LeaseStore(Protocol):
         """
         ...
 
+    def sweep_expired(self, *, limit: int = 1000) -> int:
+        """Delete identity, ledger and checkpoint records whose retention has passed.
+
+        At most ``limit`` records per call, oldest first, found through the records' expiry
+        indexes: the cost follows what is removed, never what is kept. Lease records and the
+        fence sequence are never swept. Call it again while it returns ``limit`` (a sweeper task
+        or a cron job can); records past retention are already invisible to every other
+        operation, so sweeping late only costs space.
+
+        Returns:
+            How many records were removed (on Redis an identity and its checkpoints count as
+            one record).
+
+        Raises:
+            LeaseConfigError: ``limit`` is not an integer 1..100000.
+            LeaseStoreError: the store failed; some records may have been removed.
+        """
+        ...
+
     def check_health(self) -> builtins.list[str]:
         """Check the store's configuration; return warnings (empty when all is well).
 
@@ -339,6 +362,16 @@ class BaseLeaseStore:
             )
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= MAX_LIST_LIMIT:
             raise LeaseConfigError(f"list limit must be 1..{MAX_LIST_LIMIT}, got {limit!r}")
+        return limit
+
+    @staticmethod
+    def _sweep_args(limit: int) -> int:
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 0 < limit <= MAX_SWEEP_LIMIT
+        ):
+            raise LeaseConfigError(f"sweep limit must be 1..{MAX_SWEEP_LIMIT}, got {limit!r}")
         return limit
 
     @staticmethod

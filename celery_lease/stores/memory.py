@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import builtins
+import heapq
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,8 @@ from .base import (
 )
 
 __all__ = ["MemoryLeaseStore"]
+
+_IDS, _LEDGER, _CKPTS = 0, 1, 2  # the retained tables, as numbered in the retention index
 
 
 @dataclass(slots=True)
@@ -86,6 +89,9 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._ledger: dict[tuple[str, str, str], list[Any]] = {}
         # (resource, identity) -> [fence, data, expires_us]
         self._ckpts: dict[tuple[str, str], list[Any]] = {}
+        # The retention index: (expires_us, table, key) for every write of those records; an
+        # entry whose record was rewritten later (or removed) is skipped when it comes up.
+        self._expiry: list[tuple[int, int, Any]] = []
 
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
@@ -146,6 +152,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                     now + self._retention_us,
                     owner.token,
                 ]
+                self._index(now + self._retention_us, _IDS, (resource, identity))
         return Lease(
             resource=resource,
             owner=owner,
@@ -165,6 +172,38 @@ class MemoryLeaseStore(BaseLeaseStore):
     @property
     def _retention_us(self) -> int:
         return round(self.retention * 1e6)
+
+    def _index(self, expires_us: int, table: int, key: Any) -> None:
+        """Note a record's new expiry in the retention index (under the lock)."""
+        heapq.heappush(self._expiry, (expires_us, table, key))
+        live = len(self._ids) + len(self._ledger) + len(self._ckpts)
+        if len(self._expiry) > 4 * live + 1024:  # mostly superseded entries: rebuild
+            tables = self._tables()
+            self._expiry = [
+                (record[at], t, k)
+                for t, (records, at) in enumerate(tables)
+                for k, record in records.items()
+            ]
+            heapq.heapify(self._expiry)
+
+    def _tables(self) -> tuple[tuple[dict[Any, list[Any]], int], ...]:
+        """The retained tables and where each keeps its expiry, in _IDS/_LEDGER/_CKPTS order."""
+        return ((self._ids, 4), (self._ledger, 3), (self._ckpts, 2))
+
+    def sweep_expired(self, *, limit: int = 1000) -> int:
+        limit = self._sweep_args(limit)
+        removed = 0
+        with self._lock:
+            now = self._now_us()
+            tables = self._tables()
+            while removed < limit and self._expiry and self._expiry[0][0] <= now:
+                expires, table, key = heapq.heappop(self._expiry)
+                records, at = tables[table]
+                record = records.get(key)
+                if record is not None and record[at] == expires:  # not rewritten since
+                    del records[key]
+                    removed += 1
+        return removed
 
     @staticmethod
     def _alive(table: dict[Any, list[Any]], key: Any, now: int, at: int) -> list[Any] | None:
@@ -227,6 +266,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                     ident[0] = outcome
                     ident[3] = result if outcome == "done" else None
                     ident[4] = self._now_us() + self._retention_us
+                    self._index(ident[4], _IDS, (lease.resource, lease.identity))
             current = self._leases.get(lease.resource)
             if current is None or (current.token, current.fence) != (
                 lease.owner.token,
@@ -253,6 +293,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                 now + self._retention_us,
                 lease.owner.token,
             ]
+            self._index(now + self._retention_us, _LEDGER, (lease.resource, identity, key))
             if entry is not None and entry[1] != lease.fence:
                 return "intent", entry[1], None
             return "new", None, None
@@ -266,6 +307,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             if (entry[1], entry[4]) != (lease.fence, lease.owner.token):
                 return False
             entry[:4] = ["done", lease.fence, receipt, self._now_us() + self._retention_us]
+            self._index(entry[3], _LEDGER, (lease.resource, identity, key))
             return True
 
     def checkpoint(self, lease: Lease, data: str) -> None:
@@ -279,6 +321,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             if current is not None and current[0] > lease.fence:
                 raise self._lost(lease, "taken_over", None, current[0])
             self._ckpts[(lease.resource, identity)] = [lease.fence, data, now + self._retention_us]
+            self._index(now + self._retention_us, _CKPTS, (lease.resource, identity))
 
     def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
         validate_resource(resource)

@@ -358,7 +358,7 @@ class RedisLeaseStore(BaseLeaseStore):
             for name in (
                 "acquire", "renew", "release", "release_outcome", "get", "force_release",
                 "list", "gate_admit", "effect_begin", "effect_done", "checkpoint",
-                "identity_get",
+                "identity_get", "sweep",
             )
         }  # fmt: skip
         self._acquire = scripts["acquire"]
@@ -373,6 +373,8 @@ class RedisLeaseStore(BaseLeaseStore):
         self._effect_done = scripts["effect_done"]
         self._checkpoint = scripts["checkpoint"]
         self._identity_get = scripts["identity_get"]
+        self._sweep = scripts["sweep"]
+        self._sweep_start = 0  # the shard a sweep starts at, rotated so none waits behind others
         # Every key name, built once: the hot path only indexes these.
         self._key_names = [
             {name: f"{key_prefix}{{{shard:02x}}}:{name}" for name in _KEY_KINDS}
@@ -720,6 +722,23 @@ class RedisLeaseStore(BaseLeaseStore):
             info.fence,
         )
         return info
+
+    def sweep_expired(self, *, limit: int = 1000) -> int:
+        limit = self._sweep_args(limit)
+        start, self._sweep_start = self._sweep_start, (self._sweep_start + 1) % self.shards
+        order = [(start + i) % self.shards for i in range(self.shards)]
+        # One call over every shard; on a cluster one per shard (a slot each) until the limit.
+        calls = [order] if not self.cluster else [[s] for s in order]
+        removed = 0
+        for shards in calls:
+            keys: builtins.list[str] = []
+            for shard in shards:
+                keys += self._keys(shard, "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
+            with self._run("sweep"):
+                removed += int(self._sweep(keys=keys, args=[limit - removed]))
+            if removed >= limit:
+                break
+        return removed
 
     # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
     def _gate_key(self, key: str) -> str:

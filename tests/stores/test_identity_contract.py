@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import sqlalchemy as sa
 
 from celery_lease import LeaseBusyError, LeaseConfigError, LeaseLostError, Owner
 from celery_lease._errors import IdentityDoneError
+from celery_lease.stores import MemoryLeaseStore, RedisLeaseStore
 from tests.conftest import make_store
 from tests.stores.test_contract import LONG, SHORT, expire
 from tests.tooling.servers import wait_for
@@ -320,3 +322,95 @@ class TestWrongOwner:
         assert store.effect_done(self.impostor(store, lease), "charge", '"forged"') is False
         assert store.effect_done(lease, "charge", '"real"') is True
         assert store.effect_begin(lease, "charge") == ("done", lease.fence, '"real"')
+
+
+def stored(store, names):
+    """How many identity, ledger and checkpoint records of this test the store physically keeps
+    (whatever their retention): read around the store's API, which hides expired records."""
+    if isinstance(store, MemoryLeaseStore):
+        tables = (store._ids, store._ledger, store._ckpts)
+        return sum(1 for table in tables for key in table if key[0].startswith(names))
+    if isinstance(store, RedisLeaseStore):
+        count = 0
+        for shard in range(store.shards):
+            for kind in ("ids", "ledger", "ckpt"):
+                key = store._keys(shard, kind)[0]
+                count += sum(1 for f in store.client.hkeys(key) if f.decode().startswith(names))
+        return count
+    with store.engine.connect() as conn:
+        return sum(
+            conn.execute(
+                sa.select(sa.func.count()).where(table.c.resource.startswith(names))
+            ).scalar()
+            for table in (store.tables["ids"], store.tables["ledger"], store.tables["ckpt"])
+        )
+
+
+def past_retention(store, names, resource, identity):
+    """Wait (polling, bounded) until the store clock has passed the record's retention."""
+    wait_for(
+        lambda: store.identity_get(names + resource, identity) is None,
+        5,
+        f"{identity} to pass its retention",
+    )
+
+
+def finished_run(store, names, resource, identity):
+    """One run that leaves an identity, a checkpoint and a ledger entry behind."""
+    lease = claim(store, names, owner="worker", identity=identity, resource=resource)
+    store.checkpoint(lease, json.dumps({"step": 1}))
+    assert store.effect_begin(lease, "charge") == ("new", None, None)
+    assert store.effect_done(lease, "charge", '"receipt"')
+    assert store.release(lease, outcome="done", result='"ok"')
+    return lease
+
+
+class TestSweep:
+    """sweep_expired removes what retention has passed, bounded per call, and nothing else."""
+
+    def test_sweep_removes_only_records_past_retention(self, store, names):
+        """Old runs' records go; fresh ones, leases and the fence sequence stay."""
+        store.retention = 0.2
+        old = [finished_run(store, names, f"r{i}", f"old-{i}") for i in range(3)]
+        assert stored(store, names) == 9  # an identity, a checkpoint and a ledger entry each
+        past_retention(store, names, "r2", "old-2")
+        store.retention = 3600.0
+        finished_run(store, names, "r0", "fresh")
+        held = claim(store, names, owner="holder", identity="live", resource="r1")
+        removed = 0
+        while True:
+            got = store.sweep_expired(limit=1000)
+            removed += got
+            if got == 0:
+                break
+        assert removed > 0
+        assert stored(store, names) == 4  # exactly the fresh run's 3 and the live identity
+        assert store.identity_get(names + "r0", "fresh").state == "done"
+        store.verify(held)  # a live lease is untouched
+        again = claim(store, names, owner="next", identity="old-2", resource="r2")
+        assert again.fence > old[2].fence  # lease rows (and their fences) are never swept
+        assert not again.recovered and again.identity_state is None
+        assert store.effect_begin(again, "charge") == ("new", None, None)
+
+    def test_sweep_is_bounded_per_call(self, store, names):
+        """No call removes more than its limit; repeated calls finish the job."""
+        store.retention = 0.2
+        for i in range(4):
+            finished_run(store, names, f"r{i}", f"job-{i}")
+        total = stored(store, names)
+        past_retention(store, names, "r3", "job-3")
+        calls = []
+        while True:
+            got = store.sweep_expired(limit=3)
+            assert 0 <= got <= 3
+            calls.append(got)
+            if got == 0:
+                break
+        assert len(calls) >= 3 and stored(store, names) == 0
+        assert total >= sum(calls) > 0
+
+    @pytest.mark.parametrize("limit", [0, -1, True, 1.5, 10**9])
+    def test_a_bad_limit_is_refused(self, store, limit):
+        """The limit is an integer 1..100000."""
+        with pytest.raises(LeaseConfigError, match="sweep limit"):
+            store.sweep_expired(limit=limit)
