@@ -46,6 +46,7 @@ from ._errors import (
     StaleFenceError,
 )
 from ._eventlog import lease_log
+from ._eventlog import log as event_log
 from ._interrupt import Interrupter, eventlet_patched
 from ._lease import Lease, Owner
 from ._ledger import decode, encode
@@ -696,6 +697,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         **fields: Any,
     ) -> None:
         """One structured line for a lease event of this execution (see _eventlog)."""
+        if not event_log.isEnabledFor(level):  # claimed/released are DEBUG: the hot path
+            return
         lease_log(
             event,
             level,
