@@ -15,7 +15,7 @@ from ._errors import (
     StaleFenceError,
 )
 from ._fencing import FenceGate
-from ._interrupt import shielded
+from ._interrupt import LeaseInterrupt, shielded
 from ._lease import Lease, LeaseInfo, Owner
 from ._ledger import REDO, Effect
 from ._task import LeaseTask, current_lease, lease_task
@@ -35,6 +35,7 @@ __all__ = [
     "LeaseConfigError",
     "LeaseError",
     "LeaseInfo",
+    "LeaseInterrupt",
     "LeaseLostError",
     "LeaseStore",
     "LeaseStoreError",

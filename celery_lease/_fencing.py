@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from . import _events as events
 from ._errors import LeaseConfigError, StaleFenceError
+from ._interrupt import raise_if_interrupted
 from ._lease import Lease
 from ._names import show_value
 from .stores import LeaseStore, store_from_url
@@ -69,6 +70,7 @@ class FenceGate:
             LeaseConfigError: ``key`` is not a valid name or ``fence`` not an integer.
             LeaseStoreError: the gate's store failed; treat the write as not admitted.
         """
+        raise_if_interrupted()  # (also with a store that makes no shielded call: memory)
         value = fence.fence if isinstance(fence, Lease) else fence
         if isinstance(value, bool) or not isinstance(value, int):
             raise LeaseConfigError(f"a fence is an integer, got {show_value(fence)}")

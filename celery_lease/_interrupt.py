@@ -13,6 +13,12 @@
 Disarming waits for an interrupt that is already on its way, so it can never land in the code
 that runs after the body (release, result storage).
 
+:class:`LeaseInterrupt` is a ``BaseException`` (as ``asyncio.CancelledError`` is since Python
+3.8), so the ordinary ``except Exception:`` of a retry loop does not swallow it. A body that
+swallows it anyway (a bare ``except:``) gets it again from its next ``lease.check()``, store call
+or fenced write (:func:`raise_if_interrupted`): it is sent once, but never forgotten while the
+body runs.
+
 Store calls made by the body (``lease.guard()``, effects, checkpoints, a FenceGate) run inside
 :func:`shielded`: an interrupt that arrives meanwhile is held back and raised when the call
 returns, so it never leaves a driver connection in the middle of a command.
@@ -29,9 +35,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from ._errors import LeaseLostError
-
-__all__ = ["Interrupter", "LeaseInterrupt", "shielded"]
+__all__ = ["Interrupter", "LeaseInterrupt", "raise_if_interrupted", "shielded"]
 
 _SIGNAL = getattr(signal, "SIGUSR1", None)
 _local = threading.local()  # .interrupter: the armed Interrupter of this thread's body
@@ -57,13 +61,22 @@ def _install_dispatcher() -> None:
         signal.signal(_SIGNAL, _dispatch)  # type: ignore[arg-type]
 
 
-class LeaseInterrupt(LeaseLostError):
+class LeaseInterrupt(BaseException):  # named like KeyboardInterrupt: no "Error", on purpose
     """Raised inside a task body to stop it because its lease was lost.
 
-    The task turns it into the recorded :class:`LeaseLostError` (with resource, fence and
-    holder) and a retry. It is a ``LeaseLostError`` so ``except LeaseLostError`` in user code
-    sees it as what it is.
+    A ``BaseException``, not an ``Exception`` (like ``asyncio.CancelledError`` and
+    ``KeyboardInterrupt``): a retry loop's ``except Exception:`` around a flaky call must not
+    swallow it and go on acting without the lease. Catch it only to clean up, then re-raise;
+    if it is swallowed, the body's next ``lease.check()``, store call or fenced write raises it
+    again. The task turns it into the recorded :class:`LeaseLostError` (resource, fence,
+    holder, reason) and a retry; the lease's ``lost`` names the cause.
     """
+
+    def __init__(self, message: str = "the lease was lost", *details: Any) -> None:
+        super().__init__(message, *details)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def eventlet_patched() -> bool:
@@ -95,6 +108,7 @@ class Interrupter:
         self._pending = False
         self._shield = 0
         self._deferred = False
+        self._delivered = False  # sent (or raised after a shield) since arm(): never forgotten
         self._thread = threading.current_thread()
         self._greenlet = _gevent_current()
         if self._greenlet is not None:
@@ -114,6 +128,7 @@ class Interrupter:
             self._armed = True
             self._fire = False
             self._deferred = False
+            self._delivered = False
         _local.interrupter = self
 
     def disarm(self) -> None:
@@ -131,6 +146,7 @@ class Interrupter:
                     self._armed = False
                     self._fire = False
                     self._deferred = False
+                    self._delivered = False
                 if self.mode == "signal":
                     # A signal already sent is handled at the next bytecode boundary of this
                     # thread; let it arrive while this (now disarmed) interrupter is current.
@@ -154,6 +170,7 @@ class Interrupter:
                 self._deferred = True  # raised by the body's thread when the store call ends
                 return True
             self._fire = True
+            self._delivered = True
             if self.mode == "signal":
                 self._pending = True
                 signal.pthread_kill(self._thread.ident or 0, _SIGNAL)  # type: ignore[arg-type]
@@ -200,8 +217,35 @@ class Interrupter:
             if raise_now:
                 self._deferred = False
                 self._fire = True  # counts as delivered: no second interrupt
+                self._delivered = True
         if raise_now:
             raise LeaseInterrupt("the lease was lost")
+
+    def _raise_again(self) -> None:
+        """Raise the interrupt once more if the body swallowed it (in the body's thread)."""
+        with self._lock:
+            if not (self._armed and self._delivered):
+                return
+            # One still on its way (an async exception not raised yet, a signal not handled
+            # yet) is taken back: this raise stands for it.
+            if self._fire and self.mode == "async-exception":
+                _set_async_exc(self._thread.ident, None)
+            self._fire = False
+        raise LeaseInterrupt(
+            "the lease was lost (raised again: the body went on after the first interrupt)"
+        )
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`LeaseInterrupt` if this thread's body was interrupted and went on.
+
+    Called by ``lease.check()``, by every store call the body makes (:class:`shielded`) and by
+    the fenced helpers, so a body that swallowed the interrupt stops at its next contact with
+    the lease or a side effect. Cheap when nothing was interrupted.
+    """
+    interrupter: Interrupter | None = getattr(_local, "interrupter", None)
+    if interrupter is not None and interrupter._delivered:
+        interrupter._raise_again()
 
 
 class shielded:
@@ -213,6 +257,8 @@ class shielded:
         interrupter: Interrupter | None = getattr(_local, "interrupter", None)
         self.interrupter = interrupter
         if interrupter is not None:
+            if interrupter._delivered:  # swallowed by the body: no store call without a lease
+                interrupter._raise_again()
             interrupter._enter_shield()
 
     def __exit__(self, *exc: object) -> None:

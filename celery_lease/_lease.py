@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ._errors import LeaseConfigError, LeaseLostError
+from ._interrupt import raise_if_interrupted
 from ._names import clean_label, show_value
 
 if TYPE_CHECKING:
@@ -238,11 +239,15 @@ class Lease:
     def check(self) -> None:
         """Raise LeaseLostError if the lease is known lost or the self-fence deadline passed.
 
-        Local and cheap: no store round trip. Call it often in long loops.
+        Local and cheap: no store round trip. Call it often in long loops. In a task body
+        that was already interrupted and went on (it swallowed the :class:`LeaseInterrupt`),
+        it raises that interrupt again instead.
         """
         if self._lost is not None:
+            raise_if_interrupted()  # a body that swallowed the interrupt gets it again
             raise self._lost
         if time.monotonic() >= self.deadline:
+            raise_if_interrupted()
             raise self.mark_lost(LeaseLostError.lost(self.resource, self.fence, "self_fenced"))
 
     def guard(self) -> None:

@@ -47,7 +47,7 @@ from ._errors import (
 )
 from ._eventlog import lease_log
 from ._eventlog import log as event_log
-from ._interrupt import Interrupter, eventlet_patched
+from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
 from ._lease import Lease, Owner
 from ._ledger import decode, encode
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
@@ -398,10 +398,16 @@ class LeaseTask(Task):  # type: ignore[misc]
                 interrupter.disarm()
                 lease.check()  # never report success for a lease known lost or past deadline
                 outcome = "done"
-            except LeaseLostError as exc:
+            except (LeaseLostError, LeaseInterrupt) as exc:
+                # (LeaseInterrupt is a BaseException: an except Exception in the body lets it
+                # through, and so must every clause here that means "the lease is lost".)
                 interrupter.disarm()
                 outcome = "retry"
-                lost = lease.lost or lease.mark_lost(exc)
+                lost = lease.lost or lease.mark_lost(
+                    exc
+                    if isinstance(exc, LeaseLostError)
+                    else LeaseLostError.lost(lease.resource, lease.fence, "interrupted")
+                )
                 return self._lease_lost(lost, lease, settings)
             except StaleFenceError as exc:
                 # A side effect saw a newer fence: a newer owner exists, our lease is lost.

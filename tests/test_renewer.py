@@ -6,13 +6,16 @@ on demand); real workers are covered in tests/integration.
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import signal
 import threading
 import time
 
 import pytest
 
-from celery_lease import LeaseLostError, LeaseStoreError, Owner
+import celery_lease
+from celery_lease import FenceGate, LeaseLostError, LeaseStoreError, Owner
 from celery_lease import _renewer as renewer_module
 from celery_lease._interrupt import Interrupter, LeaseInterrupt, shielded
 from celery_lease._renewer import Renewer
@@ -232,7 +235,7 @@ class TestInterrupter:
                 deadline = time.monotonic() + 5
                 while time.monotonic() < deadline:
                     time.sleep(0.01)
-            except LeaseLostError as exc:
+            except LeaseInterrupt as exc:
                 caught.append(exc)
             finally:
                 interrupter.disarm()
@@ -268,3 +271,116 @@ class TestInterrupter:
         interrupter.disarm()
         assert interrupter.interrupt() is False
         time.sleep(0.05)  # nothing raised
+
+
+class TestSwallowedInterrupts:
+    """``LeaseInterrupt`` gets through ``except Exception``, and is not forgotten if swallowed."""
+
+    def test_it_is_a_base_exception_that_pickles(self):
+        """Not an Exception (so a retry loop lets it through); rebuilt from its args."""
+        exc = LeaseInterrupt("the lease was lost")
+        assert isinstance(exc, BaseException) and not isinstance(exc, Exception)
+        assert celery_lease.LeaseInterrupt is LeaseInterrupt
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is LeaseInterrupt and str(again) == "the lease was lost"
+        assert str(LeaseInterrupt(*exc.args)) == str(exc) and str(LeaseInterrupt()) != ""
+
+    @staticmethod
+    def _retry_loop(swallowed, seconds=3.0):
+        """A body's retry loop around a flaky call: ``except Exception: try again``."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.01)
+            except Exception as exc:  # the point of the test
+                swallowed.append(exc)
+
+    def test_it_escapes_except_exception_in_the_main_thread(self):
+        """Signal mode (prefork, solo): the retry loop ends with the interrupt."""
+        interrupter = Interrupter()
+        assert interrupter.mode == "signal"
+        interrupter.arm()
+        swallowed: list[BaseException] = []
+        timer = threading.Timer(0.05, interrupter.interrupt)
+        timer.start()
+        try:
+            with pytest.raises(LeaseInterrupt):
+                self._retry_loop(swallowed)
+        finally:
+            timer.join()
+            interrupter.disarm()
+        assert swallowed == []
+
+    def test_it_escapes_except_exception_in_a_worker_thread(self):
+        """Async-exception mode (threads pool): the retry loop ends with the interrupt."""
+        box: list[Interrupter] = []
+        swallowed: list[BaseException] = []
+        ended: list[BaseException | None] = []
+
+        def body():
+            interrupter = Interrupter()
+            interrupter.arm()
+            box.append(interrupter)
+            try:
+                self._retry_loop(swallowed)
+                ended.append(None)
+            except LeaseInterrupt as exc:
+                ended.append(exc)
+            finally:
+                interrupter.disarm()
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        wait_for(lambda: box, 5, "armed")
+        assert box[0].interrupt()
+        thread.join(10)
+        assert swallowed == [] and isinstance(ended[0], LeaseInterrupt)
+
+    def test_a_swallowed_interrupt_is_raised_again_by_check_store_calls_and_fenced_writes(
+        self, tmp_path
+    ):
+        """A bare ``except:`` swallows it; the next check(), gate admission or fenced write
+        raises it again and writes nothing. Once the body is over (disarmed), check() raises
+        the LeaseLostError and store calls (the release) run."""
+        import sqlalchemy as sa
+
+        from celery_lease.fencing import fenced_update
+
+        store = MemoryLeaseStore()
+        lease = store.acquire("swallowed", Owner.new(), 30)
+        engine = sa.create_engine(f"sqlite:///{tmp_path}/side.db")
+        table = sa.Table(
+            "t",
+            sa.MetaData(),
+            sa.Column("id", sa.Integer, primary_key=True),
+            sa.Column("v", sa.Integer),
+            sa.Column("fence", sa.BigInteger),
+        )
+        table.metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(table.insert().values(id=1, v=0, fence=None))
+        interrupter = Interrupter()
+        interrupter.arm()
+        try:
+            # What the renewer does: record the loss, then interrupt the body.
+            lease.mark_lost(LeaseLostError.lost(lease.resource, lease.fence, "released"))
+            threading.Timer(0.05, interrupter.interrupt).start()
+            with contextlib.suppress(BaseException):  # the body swallows everything
+                time.sleep(5)
+            with pytest.raises(LeaseInterrupt):
+                lease.check()
+            with pytest.raises(LeaseInterrupt):
+                FenceGate(store=store).admit("k", lease)
+            with engine.begin() as conn, pytest.raises(LeaseInterrupt):
+                fenced_update(conn, table, table.c.id == 1, {"v": 1}, lease)
+            with pytest.raises(LeaseInterrupt), shielded():
+                pass  # any store call
+        finally:
+            interrupter.disarm()
+        with pytest.raises(LeaseLostError):
+            lease.check()
+        with shielded():
+            pass
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(table.c.v)).scalar() == 0
+        engine.dispose()

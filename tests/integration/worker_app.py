@@ -21,6 +21,7 @@ from celery import Celery, signals
 
 from celery_lease import (
     FenceGate,
+    LeaseInterrupt,
     LeaseLostError,
     Owner,
     StaleFenceError,
@@ -75,6 +76,36 @@ if env.get("CL_PLAIN_METRICS_PORT"):
         import prometheus_client
 
         prometheus_client.start_http_server(int(env["CL_PLAIN_METRICS_PORT"]), "127.0.0.1")
+
+
+if env.get("CL_INTERRUPT_AS_EXCEPTION"):
+    # The negative control of test_interrupt_delivery.py: LeaseInterrupt as it was, an
+    # Exception (a LeaseLostError), which an ordinary ``except Exception:`` swallows.
+    import celery_lease._interrupt as _interrupt_module
+
+    class _ExceptionInterrupt(LeaseLostError):
+        pass
+
+    _ExceptionInterrupt.__name__ = _ExceptionInterrupt.__qualname__ = "LeaseInterrupt"
+    _interrupt_module.LeaseInterrupt = _ExceptionInterrupt  # type: ignore[misc]
+
+#: What a body catches to see its lease interrupt (LeaseInterrupt is no LeaseLostError).
+LOST = (LeaseLostError, LeaseInterrupt)
+
+
+def forget_interrupt() -> None:
+    """Switch the interrupt layer off for the rest of this body (test bodies only).
+
+    A body that swallows its LeaseInterrupt gets it again from its next ``lease.check()``,
+    store call or fenced write. Bodies that play an owner which never learned of the loss
+    (stuck in a call an interrupt cannot break), to show the fence alone refusing its stale
+    write, call this after swallowing it: such an owner would see nothing either.
+    """
+    from celery_lease import _interrupt
+
+    interrupter = getattr(_interrupt._local, "interrupter", None)
+    if interrupter is not None:
+        interrupter.disarm()
 
 
 _coord: redis.Redis | None = None
@@ -207,11 +238,12 @@ def paused_writer(
         coord().set(f"{env['CL_EVENTS']}:ready:{trial}", os.getpid())
         try:
             wait_for_key(f"{env['CL_EVENTS']}:go:{trial}")
-        except LeaseLostError:
+        except LOST:
             if use_gate and self_fence:
                 report("self_fenced", trial=trial, role=role, fence=lease.fence)
                 raise
             report("ignored_loss", trial=trial, role=role, fence=lease.fence)
+            forget_interrupt()  # else the gate's admit raises it again: the gate must decide
             wait_for_key(f"{env['CL_EVENTS']}:go:{trial}")
     if use_gate:
         try:
@@ -246,7 +278,7 @@ def slow_call(self: Any, n: int, seconds: float, ignore_loss: bool = False) -> d
             break
         try:
             time.sleep(left)
-        except LeaseLostError as exc:
+        except LOST as exc:
             report(
                 "interrupted",
                 res=n,
@@ -255,6 +287,7 @@ def slow_call(self: Any, n: int, seconds: float, ignore_loss: bool = False) -> d
             )
             if not ignore_loss:
                 raise
+            forget_interrupt()
     report("done", res=n, fence=lease.fence)
     return {"fence": lease.fence, "expires_at": lease.expires_at.isoformat()}
 
@@ -356,7 +389,8 @@ def gil_hog(self: Any, n: int, seconds: float, check: bool = True, gated: bool =
             except StaleFenceError:
                 report("refused", res=n, fence=lease.fence)
                 raise
-            except LeaseLostError:
+            except LOST:
+                forget_interrupt()  # else the gate's admit raises it again: the gate decides
                 continue
     return lease.fence
 
@@ -395,7 +429,7 @@ def capped(self: Any, n: int) -> int:
     try:
         while True:
             time.sleep(0.05)
-    except LeaseLostError as exc:
+    except LOST as exc:
         report(
             "interrupted",
             res=n,
@@ -463,4 +497,21 @@ def touch(n: int, hold: float = 0.0) -> int:
 
 
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).
+@lease_task(app=app, resource="retrying-{n}", bind=True)
+def retrying_body(self: Any, n: str, calls: int) -> int:
+    """A retry loop around a flaky call, as bodies are written: ``except Exception`` retries.
+
+    Reports every call and every exception it swallows; runs out after ``calls`` calls.
+    """
+    lease = current_lease()
+    for call in range(calls):
+        try:
+            report("calling", res=n, call=call, fence=lease.fence, task=self.request.id)
+            time.sleep(0.05)  # the flaky call
+        except Exception as exc:
+            report("swallowed", res=n, exc=type(exc).__name__, fence=lease.fence)
+    report("ran_out", res=n, fence=lease.fence)
+    return lease.fence
+
+
 from tests.integration import eo_tasks as eo  # noqa: E402, F401
