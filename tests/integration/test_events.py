@@ -118,7 +118,7 @@ def test_a_lease_lost_mid_body_is_visible_as_an_event(
         store.close()
     print(f"lost event: {lost}")
     assert lost["uuid"] == result.id and lost["fence"] == start["fence"]
-    assert lost["reason"] in ("released", "taken_over"), lost
+    assert lost["reason"] in ("force_released", "taken_over"), lost
     assert outcome["fence"] > start["fence"]
 
 

@@ -14,7 +14,7 @@ returns, as the store calls and the FenceGate do (test_interrupted_store_call.py
 Reproduced deterministically: a PostgreSQL session holds the row lock, so the body's
 ``fenced_update`` blocks inside psycopg; the test force-releases the lease and waits until the
 renewer has found it released (and interrupted the body), then lets the row go. The documented
-outcome: RETRY (LeaseLostError, reason ``released``), then SUCCESS with a newer fence. Before
+outcome: RETRY (LeaseLostError, reason ``force_released``), then SUCCESS with a newer fence. Before
 the fix the execution ended FAILURE with the OperationalError (asserted message below).
 """
 
@@ -78,6 +78,6 @@ def test_an_interrupt_inside_fenced_update_sends_the_task_to_retry(
     )[0]
     print(f"the interrupted execution ended: {outcome}")
     assert outcome["ev"] == "retry", f"{outcome['exc']} instead of RETRY: {result.result!r}"
-    assert (outcome["exc"], outcome["reason"]) == ("LeaseLostError", "released")
+    assert (outcome["exc"], outcome["reason"]) == ("LeaseLostError", "force_released")
     fence = result.get(timeout=30)
     assert fence > first["fence"]

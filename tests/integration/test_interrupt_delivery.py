@@ -9,7 +9,7 @@ Real workers (threads pool: an asynchronous exception; prefork: SIGUSR1 in the p
 thread) run ``retrying_body``, which reports every "call" and every exception it swallows and
 gives up after a fixed number of calls. The test force-releases the lease (an admin action, as a
 takeover would): the renewer finds it released and interrupts the body. Asserted: the interrupted
-execution ends RETRY with the ``LeaseLostError`` (reason ``released``) and never swallowed the
+execution ends RETRY with the ``LeaseLostError`` (reason ``force_released``) and never swallowed the
 interrupt nor ran to its end. Negative control: with ``LeaseInterrupt`` an ``Exception`` again
 (``CL_INTERRUPT_AS_EXCEPTION``, the old class), the same body swallows it and runs every call.
 """
@@ -50,11 +50,12 @@ def _run(it_app, start_worker, store_env, events, queue, request, pool, extra=No
 def test_a_body_retrying_inside_except_exception_stops_when_the_lease_is_lost(
     it_app, start_worker, store_env, events, queue, request, pool
 ):
-    """The interrupt passes through ``except Exception``: RETRY (released), loop cut short."""
+    """The interrupt passes through ``except Exception``: RETRY (force_released), loop cut short."""
     ended, mine = _run(it_app, start_worker, store_env, events, queue, request, pool)
     calls = sum(e["ev"] == "calling" for e in mine)
     print(f"{pool}: ended {ended}; the lost execution made {calls} calls")
-    assert (ended["ev"], ended["exc"], ended["reason"]) == ("retry", "LeaseLostError", "released")
+    outcome = (ended["ev"], ended["exc"], ended["reason"])
+    assert outcome == ("retry", "LeaseLostError", "force_released")
     assert not [e for e in mine if e["ev"] == "swallowed"], "the body swallowed the interrupt"
     assert not [e for e in mine if e["ev"] == "ran_out"], "the body ran on without its lease"
 

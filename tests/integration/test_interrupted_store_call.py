@@ -59,7 +59,7 @@ def test_an_interrupt_inside_a_gate_call_leaves_the_store_usable(
         # The renewer finds the lease released and interrupts the body inside admit().
         retry = events.wait(ev="retry", task=first["task"])
         assert retry["exc"] == "LeaseLostError"
-        assert retry["reason"] == "released"
+        assert retry["reason"] == "force_released"
         assert not events.where(ev="write", attempt=1)
         blocker.rollback()
     try:
