@@ -135,9 +135,9 @@ class Bench:
         self.report = redis.Redis.from_url(urls["report"])
         self.run_id = uuid.uuid4().hex[:6]
 
-    def run(self, task: str, queue: str, label: str) -> dict[str, Any]:
+    def run(self, task: str, queue: str, label: str, pool: str) -> dict[str, Any]:
         n, hold = self.args.n, self.args.hold
-        run = f"{self.run_id}-{label.replace('/', '-')}"
+        run = f"{self.run_id}-{pool}-{label.replace('/', '-')}"
         published_at = time.time()
         for i in range(n):
             self.app.send_task(task, args=(i, run, hold), queue=queue)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         variants.insert(0, ("hot.dedicated", dedicated_queue, "dedicated"))
                     for task, queue, label in variants:
                         print(f"-- {pool} {label}: N={args.n} H={args.hold}", flush=True)
-                        row = bench.run(task, queue, label)
+                        row = bench.run(task, queue, label, pool)
                         row["pool"] = pool
                         rows.append(row)
                         print_table([row])

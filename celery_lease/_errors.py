@@ -84,6 +84,11 @@ class LeaseBusyError(LeaseError):
         duplicate: True when the holder runs the *same* task identity (this claim is a
             redelivered or duplicated copy of work that is running now), False for other work
             contending for the resource. A duplicate is re-armed whatever ``on_busy`` says.
+        position: the claimant's place (1 = next) in the resource's FIFO wait list when the
+            refused claim joined it (``acquire(wait=...)``), else None.
+        wake: set by the store (not part of ``args``): the wake payload of a head waiter that
+            the claimant must send, because the resource is free but reserved for that waiter
+            and nobody woke it (its releaser died).
     """
 
     def __init__(
@@ -94,13 +99,16 @@ class LeaseBusyError(LeaseError):
         fence: int | None = None,
         expires_in: float | None = None,
         duplicate: bool = False,
+        position: int | None = None,
     ) -> None:
-        super().__init__(message, resource, holder_label, fence, expires_in, duplicate)
+        super().__init__(message, resource, holder_label, fence, expires_in, duplicate, position)
         self.resource = resource
         self.holder_label = holder_label
         self.fence = fence
         self.expires_in = expires_in
         self.duplicate = duplicate
+        self.position = position
+        self.wake: str | None = None
 
     @classmethod
     def held(
@@ -111,6 +119,8 @@ class LeaseBusyError(LeaseError):
         expires_in: float | None,
         *,
         duplicate: bool = False,
+        position: int | None = None,
+        wake: str | None = None,
     ) -> LeaseBusyError:
         """Build the error with a message that names the holder and when it expires."""
         if holder_label is None:
@@ -118,14 +128,19 @@ class LeaseBusyError(LeaseError):
         else:
             when = "unknown" if expires_in is None else f"{max(expires_in, 0.0):.3f}s"
             detail = f"by {holder_label!r} with fence {fence}, expiring in {when} unless renewed"
-        return cls(
+        if position:
+            detail += f"; waiting at place {position} of its wait list"
+        busy = cls(
             f"resource {resource!r} is held {detail}; retry later or raise the lease wait budget",
             resource,
             holder_label,
             fence,
             expires_in,
             duplicate,
+            position or None,
         )
+        busy.wake = wake
+        return busy
 
 
 class LeaseLostError(LeaseError):

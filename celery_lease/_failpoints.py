@@ -9,7 +9,8 @@ act: ``kill`` (SIGKILL this process), ``raise`` (raise FailpointError), ``sleep:
 Without the variable, :func:`hit` is a single global flag test: nothing else runs.
 
 Sites: ``after_acquire``, ``after_effect_before_ledger``, ``after_ledger_before_ack``,
-``inside_renew``, ``inside_release``, ``inside_reconcile``.
+``inside_renew``, ``inside_release``, ``inside_reconcile``, ``before_wake`` (the release
+handed the resource over and the head waiter's message is not sent yet).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SITES = (
     "inside_renew",
     "inside_release",
     "inside_reconcile",
+    "before_wake",
 )
 
 

@@ -166,6 +166,9 @@ class Lease:
         self._lock = threading.Lock()
         #: Free-form per-lease state for the layers above the store (task, identity, ...).
         self.extra: dict[str, Any] = {}
+        #: Set by ``release``: the wake payload of the waiter the resource was handed over to
+        #: (the releaser sends it), or None when nobody was waiting.
+        self.handoff: str | None = None
 
     # -- identity ---------------------------------------------------------------------------
     @property

@@ -8,6 +8,10 @@ Outcomes:
 * resource busy: re-queued with a jittered, capped backoff (``on_busy="retry"``), skipped
   (``"skip"``) or failed (``"fail"``); busy waits have their own budget, not ``max_retries``.
   A duplicate of the execution holding the lease (same identity) is always re-queued.
+  With an identity and ``on_busy="retry"``, the refused claim also joins the resource's FIFO
+  wait list (same round trip, the message to send again as its wake payload); the releaser
+  sends the head waiter's message at once (hand-off), and the back-off copy, sent no sooner
+  than the lease ttl, is only the back-stop (identity dedup makes the second copy harmless).
 * lease lost while running (taken over, renewal failed past the self-fence deadline, runtime
   cap): the body is interrupted and the task goes to RETRY with :class:`LeaseLostError`, never
   SUCCESS; lost-lease re-runs have their own budget too.
@@ -17,6 +21,7 @@ Outcomes:
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import random
@@ -274,9 +279,22 @@ class LeaseTask(Task):  # type: ignore[misc]
         store = compiled.current_store(task=self)
         owner = Owner.fresh(_owner_label(request))
         get_renewer().prepare(store)  # the renewal connection opens while the claim runs
+        wait = None
+        if identity is not None and settings.on_busy == "retry" and not direct:
+            wait = self._wake_payload(request, args, kwargs, settings)
         claim_started = time.monotonic()
         try:
-            lease = store.acquire(resource, owner, settings.ttl, identity=identity)
+            if wait is None:
+                lease = store.acquire(resource, owner, settings.ttl, identity=identity)
+            else:
+                lease = store.acquire(
+                    resource,
+                    owner,
+                    settings.ttl,
+                    identity=identity,
+                    wait=wait[0],
+                    wait_ttl=wait[1],
+                )
         except IdentityDoneError as done:
             _observe_acquire(claim_started, "duplicate")
             return self._duplicate_done(done)
@@ -496,6 +514,57 @@ class LeaseTask(Task):  # type: ignore[misc]
             log.warning(
                 "could not release %r (it expires by itself within its ttl): %s", lease, exc
             )
+            return
+        if lease.handoff is not None:
+            payload, lease.handoff = lease.handoff, None
+            failpoints.hit("before_wake")
+            self._wake(payload, lease.resource)
+
+    # -- hand-off -------------------------------------------------------------------------------
+    def _backstop_delay(self, waits: int, settings: LeaseSettings) -> float:
+        """When a queued waiter's own copy runs if nobody wakes it: no sooner than the lease
+        ttl (a crashed holder's lease has run out by then), capped like the busy backoff."""
+        cap = self._busy_cap(settings)
+        return min(cap, max(self._busy_delay(waits, settings), settings.ttl))
+
+    def _wake_payload(
+        self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], settings: LeaseSettings
+    ) -> tuple[str, float] | None:
+        """The message a waiter's wake sends (this execution again, no countdown) and how long
+        its place in the wait list is kept; None when it cannot be written as JSON (then the
+        task waits with the back-off alone)."""
+        if request.is_eager or request.id is None:
+            return None
+        waits = int(_header(request, WAITS_HEADER) or 0)
+        if waits >= settings.busy_max_waits:
+            return None  # this attempt gives up if refused: it must not leave a place to wake
+        headers = dict(request.headers or {})
+        headers[WAITS_HEADER] = waits + 1
+        headers.pop(STORE_WAITS_HEADER, None)
+        headers.pop(STORE_DOWN_HEADER, None)
+        try:
+            signature = self.signature_from_request(
+                request, args, kwargs, retries=request.retries or 0, headers=headers
+            )
+            payload = json.dumps(dict(signature), separators=(",", ":"))
+        except (TypeError, ValueError):
+            return None
+        keep = self._backstop_delay(waits, settings) + settings.ttl + 10.0
+        return payload, keep
+
+    def _wake(self, payload: str, resource: str) -> None:
+        """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
+        try:
+            signature = self.app.signature(json.loads(payload))
+            signature.apply_async()
+        except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
+            log.warning(
+                "could not wake the next waiter of %r (its back-stop copy runs it later): %s",
+                resource,
+                exc,
+            )
+            return
+        events.count("celery_lease_handoffs_total")
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(self, busy: LeaseBusyError, settings: LeaseSettings) -> Any:
@@ -512,6 +581,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             raise busy
         if settings.on_busy == "skip" and not duplicate:
             self._skip(busy)
+        if busy.wake is not None:  # the resource is free for a head waiter nobody woke
+            payload, busy.wake = busy.wake, None
+            self._wake(payload, busy.resource or "?")
         waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits and not duplicate:
             raise LeaseBusyError(
@@ -519,7 +591,10 @@ class LeaseTask(Task):  # type: ignore[misc]
                 "longer)",
                 *busy.args[1:],
             )
-        delay = self._busy_delay(waits, settings)
+        if busy.position:  # queued: the release wakes it; this copy is the back-stop
+            delay = self._backstop_delay(waits, settings)
+        else:
+            delay = self._busy_delay(waits, settings)
         events.count("celery_lease_busy_waits_total")
         self._log(
             "busy",
@@ -531,6 +606,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             wait=f"{delay:.2f}s",
             waits=waits + 1,
             duplicate=duplicate or None,
+            position=busy.position,
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         # The store answered: a later outage starts its own budget.
@@ -604,13 +680,17 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         return self._requeue(exc, delay, {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since})
 
-    def _busy_delay(self, waits: int, settings: LeaseSettings) -> float:
+    def _busy_cap(self, settings: LeaseSettings) -> float:
         cap = settings.busy_backoff_cap
         options = self.app.conf.get("broker_transport_options") or {}
         visibility = options.get("visibility_timeout")
         if visibility:
             # A countdown longer than the visibility timeout would be redelivered early.
             cap = min(cap, float(visibility) / 2)
+        return float(cap)
+
+    def _busy_delay(self, waits: int, settings: LeaseSettings) -> float:
+        cap = self._busy_cap(settings)
         delay = min(cap, settings.busy_backoff_base * (2 ** min(waits, 30)))
         return float(delay * (1 - settings.busy_backoff_jitter * random.random()))
 

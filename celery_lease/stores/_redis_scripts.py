@@ -20,6 +20,10 @@ so no user input ever becomes part of a lease key name or pattern)::
     <prefix>{NN}:ledger    hash   "<resource>|<identity>|<key>" ->
                                   "<state>\n<fence>\n<token>\n<receipt>"
     <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
+    <prefix>{NN}:waits     hash   resource -> the FIFO wait list, one line per waiter, oldest
+                                  first: "<identity> <since_us> <expires_us> <woken_until_us>"
+    <prefix>{NN}:wpay      hash   "<resource>|<identity>" -> the waiter's wake payload (the
+                                  message its task sends again when woken), opaque text
 
 ``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
 the key is validated by the resource-name rule (no braces, globs or spaces) before it is used.
@@ -43,6 +47,10 @@ _PARSE = """
 -- token, fence, acquired, expires, label, tail ('' or the recovery facts, see the key layout)
 local function parse(rec)
   return string.match(rec, '^(%x+) (%d+) (%d+) (%d+) ([^\\n]*)(.*)$')
+end
+local function parse_label(rec)
+  local _, _, _, _, label = parse(rec)
+  return label
 end
 """
 _GONE = """
@@ -73,21 +81,80 @@ local function trim(index, now, hash1, hash2)
 end
 """
 _PRELUDE = _NOW + _PARSE + _IDENT
+_WAITS = """
+-- the resource's wait list, expired waiters (and their payloads) dropped; returns list, dirty
+local function wl_load(wkey, pkey, res, now)
+  local raw = redis.call('HGET', wkey, res)
+  local list, dirty = {}, false
+  if not raw then return list, dirty end
+  for id, s, e, w in string.gmatch(raw, '([^ \\n]+) (%d+) (%d+) (%d+)') do
+    if tonumber(e) > now then
+      list[#list + 1] = {id, s, e, w}
+    else
+      dirty = true
+      redis.call('HDEL', pkey, res .. '|' .. id)
+    end
+  end
+  return list, dirty
+end
+local function wl_save(wkey, res, list)
+  if #list == 0 then
+    redis.call('HDEL', wkey, res)
+    return
+  end
+  local parts = {}
+  for k, e in ipairs(list) do parts[k] = e[1] .. ' ' .. e[2] .. ' ' .. e[3] .. ' ' .. e[4] end
+  redis.call('HSET', wkey, res, table.concat(parts, '\\n'))
+end
+"""
+
+
+def _release_tail(leases: int, expiry: int, waits: int, wpay: int, grace: int) -> str:
+    """Release the lease in KEYS[leases] if ARGV[2] (token) and ARGV[3] (fence) hold it, then
+    hand over to the head waiter: it may claim alone until now + grace (it loses its place
+    after that), and its wake payload is returned for the releaser to send."""
+    return f"""
+local cur = redis.call('HGET', KEYS[{leases}], ARGV[1])
+if not cur then return 0 end
+local tok, f = string.match(cur, '^(%x+) (%d+) ')
+if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
+redis.call('HDEL', KEYS[{leases}], ARGV[1])
+redis.call('ZREM', KEYS[{expiry}], ARGV[1])
+local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now)
+if #wl == 0 then
+  if dirty then wl_save(KEYS[{waits}], ARGV[1], wl) end
+  return 1
+end
+local head = wl[1]
+head[4] = fmt(now + tonumber(ARGV[{grace}]))
+head[3] = head[4]
+wl_save(KEYS[{waits}], ARGV[1], wl)
+return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. head[1]), head[1]}}
+"""
+
 
 ACQUIRE = (
     """
 -- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash (with the shard "!epoch"),
--- KEYS[4] ids hash, KEYS[5] ids_exp zset, KEYS[6] ckpt hash
+-- KEYS[4] ids hash, KEYS[5] ids_exp zset, KEYS[6] ckpt hash, KEYS[7] waits hash,
+-- KEYS[8] wpay hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us),
--- ARGV[5] identity or '', ARGV[6] retention (us)
+-- ARGV[5] identity or '', ARGV[6] retention (us), ARGV[7] wake payload or '' (join the wait
+-- list when refused; needs an identity), ARGV[8] how long the waiter's place is kept (us),
+-- ARGV[9] wait list cap, ARGV[10] hand-off grace (us)
+-- While the resource has waiters and no live lease, only the head waiter may claim it.
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
 --          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil}
---      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate}
---         (duplicate 1 when the holder runs this same identity, else 0)
+--      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate,
+--          position, wake payload|nil}
+--         (duplicate 1 when the holder runs this same identity, else 0; position in the wait
+--         list, 0 when not queued; the payload of a head waiter to wake, when the resource is
+--         free but reserved for a head nobody woke within the grace window)
 --      or {2, fence, result} when the identity is already done (nothing claimed)
 """
     + _NOW
     + _PARSE
+    + _WAITS
     + """
 local member, ident, ist, ifence, ilabel = false, false, false, false, false
 if ARGV[5] ~= '' then
@@ -117,14 +184,60 @@ local prev_label, prev_fence = false, false
 local fence = nil
 local acquired, exp = now, now + tonumber(ARGV[4])
 local ckpt = false
+local wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now)
+local function join()  -- this claimant's place in the wait list (0: not queued)
+  if ARGV[7] == '' or not member then return 0 end
+  local until_ = fmt(now + tonumber(ARGV[8]))
+  for k, w in ipairs(wl) do
+    if w[1] == ARGV[5] then  -- already waiting: keep the place, refresh it
+      if tonumber(until_) > tonumber(w[3]) and tonumber(w[4]) <= now then w[3] = until_ end
+      redis.call('HSET', KEYS[8], member, ARGV[7])
+      dirty = true
+      return k
+    end
+  end
+  if #wl >= tonumber(ARGV[9]) then return 0 end
+  wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0'}
+  redis.call('HSET', KEYS[8], member, ARGV[7])
+  dirty = true
+  return #wl
+end
+local live = false
+if cur then
+  local tok, f, a, e = parse(cur)
+  live = tonumber(e) > now and tok ~= ARGV[2]
+  if live then
+    local dup = 0
+    if ist == 'running' and ifence == f then dup = 1 end
+    local pos = 0
+    if dup == 0 then pos = join() end
+    if dirty then wl_save(KEYS[7], ARGV[1], wl) end
+    return {0, parse_label(cur), tonumber(f), tonumber(e), now, epoch, dup, pos}
+  end
+end
+if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
+  local head = wl[1]
+  if head[1] ~= ARGV[5] then  -- reserved for the head waiter: wait behind it
+    local pos = join()
+    local wake = false
+    if tonumber(head[4]) <= now then  -- nobody woke it (the releaser died?): wake it now
+      head[4] = fmt(now + tonumber(ARGV[10]))
+      head[3] = head[4]
+      wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. head[1])
+      dirty = true
+    end
+    if dirty then wl_save(KEYS[7], ARGV[1], wl) end
+    return {0, 'the waiting task ' .. head[1] .. ' (hand-off)', tonumber(got[1] or '0'),
+      tonumber(head[4]), now, epoch, 0, pos, wake}
+  end
+  table.remove(wl, 1)  -- the head claims: it leaves the list
+  redis.call('HDEL', KEYS[8], member)
+  dirty = true
+end
+if dirty then wl_save(KEYS[7], ARGV[1], wl) end
 if cur then
   local tok, f, a, e, label, tail = parse(cur)
   if tonumber(e) > now then
-    if tok ~= ARGV[2] then
-      local dup = 0
-      if ist == 'running' and ifence == f then dup = 1 end
-      return {0, label, tonumber(f), tonumber(e), now, epoch, dup}
-    end
     -- the same claim retried after a lost reply: hand back the same lease with the recovery
     -- facts the first attempt found (its identity record is ours now; the facts are the tail)
     fence, acquired, exp = tonumber(f), tonumber(a), tonumber(e)
@@ -209,37 +322,32 @@ return out
 """
 )
 
-# Releases the lease in KEYS[1]/KEYS[2] if ARGV[2] (token) and ARGV[3] (fence) hold it.
-_RELEASE_TAIL = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-local tok, f = string.match(cur, '^(%x+) (%d+) ')
-if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
-"""
-
 RELEASE = (
     """
--- KEYS[1] leases hash, KEYS[2] expiry zset
--- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence
--- returns 1 when released, 0 when the lease was not this owner's (nothing changed)
+-- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] waits hash, KEYS[4] wpay hash
+-- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] hand-off grace (us)
+-- returns 1 when released, 0 when the lease was not this owner's (nothing changed),
+-- {1, wake payload, identity} when released and handed over to the head waiter
 """
-    + _RELEASE_TAIL
+    + _NOW
+    + _WAITS
+    + _release_tail(1, 2, 3, 4, 4)
 )
 
 RELEASE_OUTCOME = (
     """
--- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] ids hash, KEYS[4] ids_exp zset
+-- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] ids hash, KEYS[4] ids_exp zset,
+-- KEYS[5] waits hash, KEYS[6] wpay hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity,
 -- ARGV[5] outcome ('done', 'failed', 'retry'), ARGV[6] result (JSON) or '',
--- ARGV[7] retention (us)
+-- ARGV[7] retention (us), ARGV[8] hand-off grace (us)
 -- records the identity's outcome if it still carries this fence, then releases the lease
--- returns 1 when released, 0 when the lease was not this owner's (the lease is unchanged)
+-- returns 1 when released, 0 when the lease was not this owner's (the lease is unchanged),
+-- {1, wake payload, identity} when released and handed over to the head waiter
 """
     + _NOW
     + _IDENT
+    + _WAITS
     + """
 local member = ARGV[1] .. '|' .. ARGV[4]
 local ident = redis.call('HGET', KEYS[3], member)
@@ -254,7 +362,7 @@ if ident then
   end
 end
 """
-    + _RELEASE_TAIL
+    + _release_tail(1, 2, 5, 6, 8)
 )
 
 GET = (
@@ -499,5 +607,17 @@ local record = redis.call('HGET', KEYS[1], ARGV[1])
 local kept = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not record or not kept or tonumber(kept) <= now then return {} end
 return {record, kept}
+"""
+)
+
+WAITERS = (
+    """
+-- KEYS[1] waits hash
+-- ARGV[1] resource
+-- returns {now_us, wait list text|nil}
+"""
+    + _NOW
+    + """
+return {now, redis.call('HGET', KEYS[1], ARGV[1])}
 """
 )

@@ -30,6 +30,18 @@ Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints)
 11. ``sweep_expired`` deletes identity, ledger and checkpoint records past their retention, at
     most ``limit`` per call, found through an expiry index (cost proportional to what it
     removes, not to what is kept). Lease records, which carry the fence, are never swept.
+
+Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
+
+12. A claim refused because other work holds the resource joins the resource's FIFO wait list
+    in the same round trip (at most ``wait_cap`` waiters; an identity already waiting keeps its
+    place). A waiter's place lapses ``wait_ttl`` seconds after its last refused claim.
+13. While the resource has waiters and no live lease, only the head waiter can claim it; it
+    leaves the list when it does. Every other claim is refused and queued behind.
+14. ``release`` hands over in its own round trip: the head waiter gets ``handoff_grace``
+    seconds to claim (then loses its place) and its wake payload comes back in
+    ``lease.handoff`` for the releaser to send. A claim refused by a head nobody woke within
+    the grace window gets the head's payload in ``LeaseBusyError.wake`` (the releaser died).
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ __all__ = [
     "IdentityInfo",
     "LeasePage",
     "LeaseStore",
+    "Waiter",
     "connection_refused",
     "decode_cursor",
     "encode_cursor",
@@ -109,6 +122,23 @@ class IdentityInfo:
     expires_at: datetime
 
 
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """One task waiting for a resource (see ``waiters``)."""
+
+    position: int  # 1 = the next to run
+    identity: str
+    since: datetime  # its first refused claim, store clock
+    expires_at: datetime  # when its place lapses unless it claims again
+    woken: bool  # handed the resource and not yet claimed it
+
+
+#: Default cap on a resource's wait list; a refused claim beyond it waits with the back-off.
+DEFAULT_WAIT_CAP = 100
+#: Default seconds a woken head waiter has to claim before it loses its place.
+DEFAULT_HANDOFF_GRACE = 2.0
+
+
 class LeasePage(NamedTuple):
     """One page of ``list()``: the leases and the cursor for the next page (None at the end)."""
 
@@ -126,9 +156,20 @@ class LeaseStore(Protocol):
     max_ttl: float
 
     def acquire(
-        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+        self,
+        resource: str,
+        owner: Owner,
+        ttl: float,
+        *,
+        identity: str | None = None,
+        wait: str | None = None,
+        wait_ttl: float = 120.0,
     ) -> Lease:
         """Claim ``resource`` for ``owner`` for ``ttl`` seconds of store time, atomically.
+
+        With ``wait`` (a wake payload: the message to send again; needs ``identity``), a claim
+        refused for other work joins the resource's FIFO wait list, keeping its place for
+        ``wait_ttl`` seconds (invariants 12-14); ``LeaseBusyError.position`` tells where.
 
         Succeeds when the resource has no lease, a released one or an expired one. The returned
         fence is greater than any fence issued for this resource before. When the claim takes
@@ -236,6 +277,10 @@ class LeaseStore(Protocol):
         """Read the resource's lease (live, or expired and never released), or None."""
         ...
 
+    def waiters(self, resource: str) -> builtins.list[Waiter]:
+        """The resource's wait list, head first (places that lapsed are left out)."""
+        ...
+
     def list(
         self,
         *,
@@ -309,6 +354,10 @@ class BaseLeaseStore:
         self.max_ttl = validate_ttl(max_ttl, 365 * 86400.0, name="max_ttl")
         #: Seconds identity, ledger and checkpoint records are kept after their last write.
         self.retention = validate_ttl(retention, 3650 * 86400.0, name="retention")
+        #: Most waiters a resource's wait list holds.
+        self.wait_cap = DEFAULT_WAIT_CAP
+        #: Seconds a woken head waiter has to claim before it loses its place.
+        self.handoff_grace = DEFAULT_HANDOFF_GRACE
 
     # The checks run before any I/O so bad input never reaches a store.
     def _claim_args(self, resource: str, owner: Owner, ttl: float) -> float:
@@ -335,6 +384,17 @@ class BaseLeaseStore:
                 f"invalid task identity {show_value(identity)}: it follows the resource-name "
                 "rule (1..200 of A-Z a-z 0-9 _ . : / -)"
             ) from None
+
+    @staticmethod
+    def _wait_args(identity: str | None, wait: str | None, wait_ttl: float) -> str:
+        if wait is None:
+            return ""
+        if identity is None:
+            raise LeaseConfigError("acquire(wait=...) needs identity= (the waiter's name)")
+        if not isinstance(wait, str) or not wait:
+            raise LeaseConfigError(f"wait must be a non-empty string, got {show_value(wait)}")
+        validate_ttl(wait_ttl, 365 * 86400.0, name="wait_ttl")
+        return wait
 
     @staticmethod
     def _outcome_args(lease: Lease, outcome: str | None) -> None:

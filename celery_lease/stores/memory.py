@@ -26,6 +26,7 @@ from .base import (
     BaseLeaseStore,
     IdentityInfo,
     LeasePage,
+    Waiter,
     decode_cursor,
     encode_cursor,
     monotonic,
@@ -92,15 +93,51 @@ class MemoryLeaseStore(BaseLeaseStore):
         # The retention index: (expires_us, table, key) for every write of those records; an
         # entry whose record was rewritten later (or removed) is skipped when it comes up.
         self._expiry: list[tuple[int, int, Any]] = []
+        # resource -> FIFO wait list of [identity, since_us, expires_us, woken_until_us, payload]
+        self._waits: dict[str, list[list[Any]]] = {}
 
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
 
+    def _wait_list(self, resource: str, now: int) -> builtins.list[builtins.list[Any]]:
+        waits = [w for w in self._waits.get(resource, ()) if w[2] > now]
+        if waits:
+            self._waits[resource] = waits
+        else:
+            self._waits.pop(resource, None)
+        return waits
+
+    def _join(
+        self, resource: str, identity: str | None, payload: str, wait_ttl: float, now: int
+    ) -> int:
+        if not payload or identity is None:
+            return 0
+        waits = self._waits.setdefault(resource, [])
+        until = now + round(wait_ttl * 1e6)
+        for place, waiter in enumerate(waits, 1):
+            if waiter[0] == identity:
+                if waiter[3] <= now:
+                    waiter[2] = max(waiter[2], until)
+                waiter[4] = payload
+                return place
+        if len(waits) >= self.wait_cap:
+            return 0
+        waits.append([identity, now, until, 0, payload])
+        return len(waits)
+
     def acquire(
-        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+        self,
+        resource: str,
+        owner: Owner,
+        ttl: float,
+        *,
+        identity: str | None = None,
+        wait: str | None = None,
+        wait_ttl: float = 120.0,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
+        payload = self._wait_args(identity, wait, wait_ttl)
         sent = monotonic()
         with self._lock:
             now = self._now_us()
@@ -108,16 +145,21 @@ class MemoryLeaseStore(BaseLeaseStore):
             if identity is not None and ident is not None and ident[0] == "done":
                 raise IdentityDoneError.completed(resource, identity, ident[1], ident[3])
             current = self._leases.get(resource)
+            waits = self._wait_list(resource, now)
             if current is not None and current.expires_us > now:
                 if current.token != owner.token:
+                    duplicate = (
+                        ident is not None and ident[0] == "running" and ident[1] == current.fence
+                    )
                     raise LeaseBusyError.held(
                         resource,
                         current.label,
                         current.fence,
                         (current.expires_us - now) / 1e6,
-                        duplicate=ident is not None
-                        and ident[0] == "running"
-                        and ident[1] == current.fence,
+                        duplicate=duplicate,
+                        position=0
+                        if duplicate
+                        else self._join(resource, identity, payload, wait_ttl, now),
                     )
                 # The same claim retried: the same lease and what the first attempt recovered.
                 record = current
@@ -128,6 +170,25 @@ class MemoryLeaseStore(BaseLeaseStore):
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
             else:
+                if waits and waits[0][0] != identity:  # reserved for the head waiter
+                    head = waits[0]
+                    position = self._join(resource, identity, payload, wait_ttl, now)
+                    wake = None
+                    if head[3] <= now:  # nobody woke it (the releaser died?): wake it now
+                        head[2] = head[3] = now + round(self.handoff_grace * 1e6)
+                        wake = head[4]
+                    raise LeaseBusyError.held(
+                        resource,
+                        f"the waiting task {head[0]} (hand-off)",
+                        self._fences.get(resource, 0),
+                        (head[3] - now) / 1e6,
+                        position=position,
+                        wake=wake,
+                    )
+                if waits:  # the head claims: it leaves the list
+                    waits.pop(0)
+                    if not waits:
+                        del self._waits[resource]
                 fence = self._fences.get(resource, 0) + 1
                 self._fences[resource] = fence
                 self._forced.pop(resource, None)
@@ -268,13 +329,29 @@ class MemoryLeaseStore(BaseLeaseStore):
                     ident[4] = self._now_us() + self._retention_us
                     self._index(ident[4], _IDS, (lease.resource, lease.identity))
             current = self._leases.get(lease.resource)
+            lease.handoff = None
             if current is None or (current.token, current.fence) != (
                 lease.owner.token,
                 lease.fence,
             ):
                 return False
             del self._leases[lease.resource]
+            now = self._now_us()
+            waits = self._wait_list(lease.resource, now)
+            if waits:  # hand over to the head waiter
+                head = waits[0]
+                head[2] = head[3] = now + round(self.handoff_grace * 1e6)
+                lease.handoff = head[4]
             return True
+
+    def waiters(self, resource: str) -> builtins.list[Waiter]:
+        resource = validate_resource(resource)
+        with self._lock:
+            now = self._now_us()
+            return [
+                Waiter(place, w[0], from_micros(w[1]), from_micros(w[2]), w[3] > now)
+                for place, w in enumerate(self._wait_list(resource, now), 1)
+            ]
 
     def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
         identity, key = self._ledger_args(lease, key)

@@ -35,6 +35,7 @@ from .base import (
     BaseLeaseStore,
     IdentityInfo,
     LeasePage,
+    Waiter,
     connection_refused,
     decode_cursor,
     encode_cursor,
@@ -78,7 +79,9 @@ _DRIVER_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 # The client pool's limit for a client the store creates: far above what the free lists keep.
 _MAX_CONNECTIONS = 10_000
 
-_KEY_KINDS = ("leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
+_KEY_KINDS = (
+    "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp", "waits", "wpay",
+)  # fmt: skip
 
 
 class _Translate:
@@ -358,9 +361,10 @@ class RedisLeaseStore(BaseLeaseStore):
             for name in (
                 "acquire", "renew", "release", "release_outcome", "get", "force_release",
                 "list", "gate_admit", "effect_begin", "effect_done", "checkpoint",
-                "identity_get", "sweep",
+                "identity_get", "sweep", "waiters",
             )
         }  # fmt: skip
+        self._waiters = scripts["waiters"]
         self._acquire = scripts["acquire"]
         self._renew = scripts["renew"]
         self._release = scripts["release"]
@@ -438,12 +442,22 @@ class RedisLeaseStore(BaseLeaseStore):
 
     # -- operations ------------------------------------------------------------------------
     def acquire(
-        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+        self,
+        resource: str,
+        owner: Owner,
+        ttl: float,
+        *,
+        identity: str | None = None,
+        wait: str | None = None,
+        wait_ttl: float = 120.0,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
+        payload = self._wait_args(identity, wait, wait_ttl)
         shard = self.shard_of(resource)
-        keys = self._keys(shard, "leases", "expiry", "fences", "ids", "ids_exp", "ckpt")
+        keys = self._keys(
+            shard, "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "waits", "wpay"
+        )
         args: list[str | int] = [
             resource,
             owner.token,
@@ -451,6 +465,10 @@ class RedisLeaseStore(BaseLeaseStore):
             max(1, round(ttl * 1e6)),
             identity or "",
             self._retention_us,
+            payload,
+            max(1, round(wait_ttl * 1e6)),
+            self.wait_cap,
+            max(1, round(self.handoff_grace * 1e6)),
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):
@@ -460,14 +478,17 @@ class RedisLeaseStore(BaseLeaseStore):
             result = _text(reply[2]) if reply[2] else None
             raise IdentityDoneError.completed(resource, identity, int(reply[1]), result)
         if reply[0] == 0:
-            _, label, fence, expires, now, epoch, *dup = reply
+            _, label, fence, expires, now, epoch, *more = reply
+            more += [0, 0, None][len(more) :]
             self._note_epoch(shard, epoch)
             raise LeaseBusyError.held(
                 resource,
                 _text(label),
                 int(fence),
                 (expires - now) / 1e6,
-                duplicate=bool(dup and dup[0]),
+                duplicate=bool(more[0]),
+                position=int(more[1]) or None,
+                wake=None if more[2] is None else _text(more[2]),
             )
         (
             _,
@@ -573,13 +594,14 @@ class RedisLeaseStore(BaseLeaseStore):
     ) -> bool:
         self._renew_ttl(lease, None)
         shard = self.shard_of(lease.resource)
+        grace = max(1, round(self.handoff_grace * 1e6))
         if outcome is None:
-            keys = self._keys(shard, "leases", "expiry")
-            args: list[str | int] = [lease.resource, lease.owner.token, lease.fence]
+            keys = self._keys(shard, "leases", "expiry", "waits", "wpay")
+            args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, grace]
             script = self._release
         else:
             self._outcome_args(lease, outcome)
-            keys = self._keys(shard, "leases", "expiry", "ids", "ids_exp")
+            keys = self._keys(shard, "leases", "expiry", "ids", "ids_exp", "waits", "wpay")
             args = [
                 lease.resource,
                 lease.owner.token,
@@ -588,11 +610,38 @@ class RedisLeaseStore(BaseLeaseStore):
                 outcome,
                 result or "",
                 self._retention_us,
+                grace,
             ]
             script = self._release_outcome
         with self._run("release of %r", lease.resource):
             done = script(keys=keys, args=args)
+        if isinstance(done, list):  # handed over to the head waiter
+            lease.handoff = None if done[1] is None else _text(done[1])
+            return True
+        lease.handoff = None
         return bool(done)
+
+    def waiters(self, resource: str) -> builtins.list[Waiter]:
+        validate_resource(resource)
+        with self._run("wait list read of %r", resource):
+            now, *raw = self._waiters(
+                keys=self._keys(self.shard_of(resource), "waits"), args=[resource]
+            )
+        out: builtins.list[Waiter] = []
+        for line in _text(raw[0]).split("\n") if raw and raw[0] else ():
+            identity, since, expires, woken = line.split(" ")
+            if int(expires) <= now:
+                continue
+            out.append(
+                Waiter(
+                    len(out) + 1,
+                    identity,
+                    from_micros(int(since)),
+                    from_micros(int(expires)),
+                    int(woken) > now,
+                )
+            )
+        return out
 
     def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
         identity, key = self._ledger_args(lease, key)

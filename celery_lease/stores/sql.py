@@ -53,6 +53,7 @@ from .base import (
     DEFAULT_RETENTION,
     BaseLeaseStore,
     LeasePage,
+    Waiter,
     connection_refused,
     decode_cursor,
     encode_cursor,
@@ -288,10 +289,20 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
 
     # -- operations ------------------------------------------------------------------------
     def acquire(
-        self, resource: str, owner: Owner, ttl: float, *, identity: str | None = None
+        self,
+        resource: str,
+        owner: Owner,
+        ttl: float,
+        *,
+        identity: str | None = None,
+        wait: str | None = None,
+        wait_ttl: float = 120.0,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
+        # No wait list in SQL yet: a refused claim is not queued (position None), so the task
+        # waits with the back-off as before.
+        self._wait_args(identity, wait, wait_ttl)
         ttl_us = max(1, round(ttl * 1e6))
         params = {"r": resource, "t": owner.token, "l": owner.label, "ttl": ttl_us}
         if identity is not None:
@@ -499,6 +510,11 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             return int(cursor.rowcount)
 
         return self._run(f"release of {lease.resource!r}", work) == 1
+
+    def waiters(self, resource: str) -> builtins.list[Waiter]:
+        """No wait list in SQL stores yet: always empty."""
+        validate_resource(resource)
+        return []
 
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)

@@ -496,6 +496,25 @@ def touch(n: int, hold: float = 0.0) -> int:
     return current_lease().fence
 
 
+def _fifo_body(task: Any, n: int, k: int, hold: float) -> int:
+    report("enter", res=n, k=k, task=task.request.id)
+    time.sleep(hold)
+    report("exit", res=n, k=k, task=task.request.id)
+    return k
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True)
+def fifo_hold(self: Any, n: int, k: int, hold: float) -> int:
+    """Holds fifo-<n> for ``hold`` s; waits for it with the hand-off (identity on)."""
+    return _fifo_body(self, n, k, hold)
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True, identity=False)
+def fifo_hold_backoff(self: Any, n: int, k: int, hold: float) -> int:
+    """The same without an identity: waits with the back-off alone (the negative control)."""
+    return _fifo_body(self, n, k, hold)
+
+
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).
 @lease_task(app=app, resource="retrying-{n}", bind=True)
 def retrying_body(self: Any, n: str, calls: int) -> int:

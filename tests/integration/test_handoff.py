@@ -1,0 +1,104 @@
+"""Hand-off on release with real workers (issue 10): FIFO order, no overlap, the back-stop.
+
+Waiters are made to arrive one at a time: each is sent only once the one before was refused
+(its RETRY is reported), so the arrival order is known. With the hand-off, bodies run in that
+order; without it (``identity=False``: the back-off alone, the negative control) later arrivals
+overtake earlier ones. A releaser SIGKILLed after its release and before it sends the head
+waiter's message (failpoint ``before_wake``) leaves the waiter to its back-stop copy: it still
+runs, exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import unique
+from tests.integration.harness import worker_store
+from tests.tooling.servers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+WAITERS = 5
+ENV = {"CL_TTL": "2.0", "CL_BACKOFF_BASE": "0.05", "CL_BACKOFF_CAP": "3.0"}
+
+
+def _queue_up(task, events, queue, n, first_hold=1.5, hold=0.2):
+    """Send a holder, then WAITERS tasks, each once the one before was refused."""
+    results = [task.apply_async((n, 0, first_hold), queue=queue)]
+    events.wait(ev="enter", res=n, k=0)
+    for k in range(1, WAITERS + 1):
+        results.append(task.apply_async((n, k, hold), queue=queue))
+        events.wait(ev="retry", task=results[-1].id)
+    return results
+
+
+def _order(events, n, results):
+    wait_for(lambda: all(r.state == "SUCCESS" for r in results), 90, "every task to succeed")
+    mine = [e for e in events.all() if e.get("res") == n and e["ev"] in ("enter", "exit")]
+    inside, overlaps = 0, 0
+    for e in mine:
+        inside += 1 if e["ev"] == "enter" else -1
+        overlaps += inside > 1
+    return [e["k"] for e in mine if e["ev"] == "enter"], overlaps
+
+
+def test_waiters_run_in_arrival_order_without_overlap(
+    it_app, start_worker, store_env, events, queue
+):
+    env = {**store_env("redis"), **ENV}
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("f")
+    results = _queue_up(it_app.fifo_hold, events, queue, n)
+    order, overlaps = _order(events, n, results)
+    assert overlaps == 0
+    assert order == list(range(WAITERS + 1)), f"bodies ran in the order {order}"
+    assert [r.get(timeout=5) for r in results] == list(range(WAITERS + 1))
+    store = worker_store(env)
+    try:
+        assert store.waiters(f"fifo-{n}") == []  # every waiter left the list when it ran
+    finally:
+        store.close()
+
+
+def test_negative_control_with_the_back_off_alone_later_arrivals_overtake(
+    it_app, start_worker, store_env, events, queue
+):
+    """identity=False: no wait list; the jittered back-off lets later arrivals in first."""
+    env = {**store_env("redis"), **ENV}
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("f")
+    results = _queue_up(it_app.fifo_hold_backoff, events, queue, n)
+    order, overlaps = _order(events, n, results)
+    assert overlaps == 0
+    assert order != list(range(WAITERS + 1)), "the back-off alone happened to keep FIFO order"
+
+
+def test_a_waiter_still_runs_once_when_its_releaser_dies_before_waking_it(
+    it_app, start_worker, store_env, events, queue, tmp_path
+):
+    """SIGKILL between release and wake: the waiter's back-stop copy runs it, exactly once.
+
+    The killed worker had reserved the back-stop copy (a countdown message): a short
+    visibility timeout lets the broker hand it to the other worker.
+    """
+    env = {**store_env("redis"), **ENV, "CL_VISIBILITY": "4"}
+    killer = {
+        **env,
+        "CELERY_LEASE_FAILPOINTS": "before_wake=kill",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+    start_worker(killer, queue=queue, pool="threads", concurrency=2)
+    n = unique("f")
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_hold.apply_async((n, 1, 0.1), queue=queue)
+    events.wait(ev="retry", task=waiter.id)
+    events.wait(ev="exit", res=n, k=0)  # the holder releases, then its worker is killed
+    start_worker(env, queue=queue, pool="threads", concurrency=2)  # picks up the back-stop
+    assert waiter.get(timeout=60) == 1
+    wait_for((tmp_path / "once.before_wake").exists, 5, "the failpoint to fire")
+    entered = [e for e in events.where(ev="enter", res=n) if e["k"] == 1]
+    assert len(entered) == 1, f"the waiter's body ran {len(entered)} times"
+    del holder

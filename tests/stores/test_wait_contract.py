@@ -1,0 +1,206 @@
+"""Wait list and hand-off contract (invariants 12-14 of base.py) over the stores that keep one.
+
+The SQL stores keep no wait list yet: they accept ``wait=`` and never queue (the task waits with
+the back-off), which the last class asserts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_lease import LeaseBusyError, LeaseConfigError, Owner
+from tests.conftest import make_store
+from tests.tooling.servers import wait_for
+
+LONG = 30.0
+
+
+@pytest.fixture(params=("memory", "redis"))
+def wstore(request, tmp_path):
+    """A store with a wait list."""
+    instance = make_store(request.param, request, tmp_path)
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+def claim(store, resource, who, wait=True, wait_ttl=60.0):
+    return store.acquire(
+        resource,
+        Owner.new(who),
+        LONG,
+        identity=who,
+        wait=f"payload-{who}" if wait else None,
+        wait_ttl=wait_ttl,
+    )
+
+
+def refused(store, resource, who, **kwargs):
+    with pytest.raises(LeaseBusyError) as caught:
+        claim(store, resource, who, **kwargs)
+    return caught.value
+
+
+class TestWaitList:
+    def test_refused_claims_queue_in_arrival_order(self, wstore, names):
+        """Each refused claim joins at the back; a waiter claiming again keeps its place."""
+        r = names + "r"
+        claim(wstore, r, "holder")
+        assert [refused(wstore, r, w).position for w in ("a", "b", "c")] == [1, 2, 3]
+        assert refused(wstore, r, "a").position == 1  # the back-stop copy keeps its place
+        waiters = wstore.waiters(r)
+        assert [(w.position, w.identity, w.woken) for w in waiters] == [
+            (1, "a", False),
+            (2, "b", False),
+            (3, "c", False),
+        ]
+        assert waiters[0].since <= waiters[1].since <= waiters[2].since
+
+    def test_release_hands_over_to_the_head_in_fifo_order(self, wstore, names):
+        """Each release returns the head's payload; only the head can claim; then the next."""
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        for w in ("a", "b", "c"):
+            refused(wstore, r, w)
+        order = []
+        for expected in ("a", "b", "c"):
+            assert wstore.release(lease)
+            assert lease.handoff == f"payload-{expected}"
+            for other in {"a", "b", "c"} - {expected} - set(order):
+                busy = refused(wstore, r, other)  # no barging in the grace window
+                assert busy.position and busy.wake is None
+            lease = claim(wstore, r, expected)
+            order.append(expected)
+        assert order == ["a", "b", "c"]
+        assert wstore.release(lease) and lease.handoff is None
+        assert wstore.waiters(r) == []
+
+    def test_a_newcomer_never_overtakes_a_waiter(self, wstore, names):
+        """A claim arriving after the release, before the head, is refused and queued."""
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        refused(wstore, r, "a")
+        wstore.release(lease)
+        busy = refused(wstore, r, "newcomer")
+        assert busy.position == 2 and "hand-off" in str(busy)
+        claim(wstore, r, "a")
+        assert [w.identity for w in wstore.waiters(r)] == ["newcomer"]
+
+    def test_a_claim_without_wait_is_refused_but_not_queued(self, wstore, names):
+        """No payload, no place: the claimant waits with the back-off."""
+        r = names + "r"
+        claim(wstore, r, "holder")
+        assert refused(wstore, r, "a", wait=False).position is None
+        assert wstore.waiters(r) == []
+
+    def test_the_cap_bounds_the_list(self, wstore, names):
+        """Past wait_cap, a refused claim is not queued (position None) and nothing is dropped."""
+        wstore.wait_cap = 2
+        r = names + "r"
+        claim(wstore, r, "holder")
+        assert [refused(wstore, r, w).position for w in ("a", "b", "c")] == [1, 2, None]
+        assert [w.identity for w in wstore.waiters(r)] == ["a", "b"]
+
+    def test_a_place_lapses_after_wait_ttl(self, wstore, names):
+        """A waiter that never comes back loses its place; the list is cleaned up."""
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        refused(wstore, r, "gone", wait_ttl=0.05)
+        refused(wstore, r, "b")
+        wait_for(lambda: [w.identity for w in wstore.waiters(r)] == ["b"], 5, "the place to lapse")
+        wstore.release(lease)
+        assert lease.handoff == "payload-b"
+
+    def test_a_head_that_does_not_come_within_grace_is_skipped(self, wstore, names):
+        """After the grace window the woken head loses its place; the next claim may proceed."""
+        wstore.handoff_grace = 0.05
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        refused(wstore, r, "slow")
+        wstore.release(lease)
+        wait_for(lambda: wstore.waiters(r) == [], 5, "the grace window to pass")
+        claim(wstore, r, "other")  # the resource is not blocked forever
+
+    def test_an_unwoken_head_is_woken_by_the_next_refused_claim(self, wstore, names):
+        """A waiter at the head of a free resource with nobody waking it (the releaser died
+        before it could) is handed to the next refused claimant to wake, once per grace."""
+        r = names + "r"
+        lease = claim(wstore, r, "holder", wait=False)
+        refused(wstore, r, "a")
+        wstore.force_release(r)  # the resource is free; nobody handed it over
+        busy = refused(wstore, r, "b")
+        assert busy.wake == "payload-a" and busy.position == 2
+        assert refused(wstore, r, "c").wake is None  # woken already (within grace)
+        assert wstore.waiters(r)[0].woken
+        claim(wstore, r, "a")
+        del lease
+
+    def test_a_duplicate_of_the_running_identity_is_not_queued(self, wstore, names):
+        """A copy of the running work is never queued behind itself."""
+        r = names + "r"
+        claim(wstore, r, "same")
+        busy = refused(wstore, r, "same")
+        assert busy.duplicate and busy.position is None
+        assert wstore.waiters(r) == []
+
+    def test_wait_needs_an_identity(self, wstore, names):
+        """wait= without identity= is a configuration error, raised before any I/O."""
+        with pytest.raises(LeaseConfigError, match="identity"):
+            wstore.acquire(names + "r", Owner.new("x"), LONG, wait="p")
+
+    def test_busy_errors_with_a_position_survive_rebuild_and_pickling(self, wstore, names):
+        """cls(*exc.args) and pickle keep the position (the payload to wake is not in args)."""
+        import pickle
+
+        r = names + "r"
+        claim(wstore, r, "holder")
+        busy = refused(wstore, r, "a")
+        for copy in (type(busy)(*busy.args), pickle.loads(pickle.dumps(busy))):
+            assert copy.position == 1 and str(copy) == str(busy)
+
+
+class TestWaitRoundTrips:
+    def test_joining_and_handing_over_are_one_call_each(self, request, tmp_path, names):
+        """The refused claim that joins and the release that hands over send one command each."""
+        store = make_store("redis", request, tmp_path)
+        try:
+            r = names + "r"
+            lease = claim(store, r, "holder")
+            claim_sent = _count_commands(store, lambda: refused(store, r, "a"))
+            release_sent = _count_commands(store, lambda: store.release(lease))
+            assert (claim_sent, release_sent) == (1, 1)
+            assert lease.handoff == "payload-a"
+        finally:
+            store.close()
+
+
+def _count_commands(store, action):
+    sent = []
+    connections = store._connections
+    original = connections.execute
+
+    def counting(*command):
+        sent.append(command[0])
+        return original(*command)
+
+    connections.execute = counting
+    try:
+        action()
+    finally:
+        connections.execute = original
+    return len(sent)
+
+
+class TestSQLStoresDoNotQueueYet:
+    @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+    def test_wait_is_accepted_and_the_claim_is_not_queued(self, kind, request, tmp_path, names):
+        """The task falls back to the back-off on these stores."""
+        store = make_store(kind, request, tmp_path)
+        try:
+            r = names + "r"
+            claim(store, r, "holder")
+            assert refused(store, r, "a").position is None
+            assert store.waiters(r) == []
+        finally:
+            store.close()
