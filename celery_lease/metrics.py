@@ -56,7 +56,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "celery_lease_renewal_failures_total": ("Renewal calls that failed (store error)", ()),
     "celery_lease_leases_lost_total": (
         "Leases lost while a task held them, by reason (expired, taken_over, released, "
-        "renew_failed, max_runtime, stale_fence, ...)",
+        "force_released, renew_failed, max_runtime, stale_fence, ...)",
         ("reason",),
     ),
     "celery_lease_expired_while_running_total": (
