@@ -18,6 +18,15 @@ from ._fencing import FenceGate
 from ._interrupt import LeaseInterrupt, shielded
 from ._lease import Lease, LeaseInfo, Owner
 from ._ledger import REDO, Effect
+from ._sweeper import (
+    ExpiredLease,
+    SweepReport,
+    lease_cleanup_failed,
+    on_expired,
+    run_sweep,
+    sweep,
+    sweep_schedule,
+)
 from ._task import LeaseTask, current_lease, lease_task
 from .stores import LeaseStore, store_from_url
 
@@ -27,6 +36,7 @@ __all__ = [
     "REDO",
     "Effect",
     "EffectUnresolvedError",
+    "ExpiredLease",
     "FenceGate",
     "IdentityDoneError",
     "InvalidFenceTokenError",
@@ -42,10 +52,16 @@ __all__ = [
     "LeaseTask",
     "Owner",
     "StaleFenceError",
+    "SweepReport",
     "__version__",
     "current_lease",
     "install",
+    "lease_cleanup_failed",
     "lease_task",
+    "on_expired",
+    "run_sweep",
     "shielded",
     "store_from_url",
+    "sweep",
+    "sweep_schedule",
 ]

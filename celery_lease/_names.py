@@ -18,6 +18,7 @@ __all__ = [
     "RESOURCE_PATTERN",
     "RESOURCE_RULE",
     "clean_label",
+    "holder_task_id",
     "show_value",
     "validate_identifier",
     "validate_resource",
@@ -74,6 +75,14 @@ def clean_label(label: object) -> str:
     """Make a printable owner label of at most MAX_LABEL_LENGTH characters."""
     text = _LABEL_BAD.sub("?", str(label))
     return text[:MAX_LABEL_LENGTH] or "?"
+
+
+def holder_task_id(label: str) -> str | None:
+    """The task id in a lease task's holder label ``worker@host:pid:task-id``, or None."""
+    parts = label.rsplit(":", 2)
+    if len(parts) == 3 and parts[1].isdigit() and parts[2] and parts[2] != "direct":
+        return parts[2]
+    return None
 
 
 def validate_identifier(value: object, name: str) -> str:

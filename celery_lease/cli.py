@@ -25,7 +25,7 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from ._app import get_store
 from ._errors import LeaseBusyError, LeaseConfigError, LeaseError
 from ._lease import LeaseInfo, Owner
-from ._names import validate_resource
+from ._names import holder_task_id, validate_resource
 from ._settings import LeaseSettings
 from .stores.base import MAX_LIST_LIMIT, IdentityInfo, LeaseStore
 
@@ -88,14 +88,6 @@ def _resource(value: str) -> str:
         return validate_resource(value)
     except LeaseConfigError as exc:
         raise UsageProblem(str(exc)) from None
-
-
-def holder_task_id(label: str) -> str | None:
-    """The task id in a holder label ``worker@host:pid:task-id``, or None if it has none."""
-    parts = label.rsplit(":", 2)
-    if len(parts) == 3 and parts[1].isdigit() and parts[2] and parts[2] != "direct":
-        return parts[2]
-    return None
 
 
 def prefix_of(resource: str) -> str:
@@ -437,3 +429,39 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         ctx.obj.echo("OK" if not warnings else f"{len(warnings)} warning(s)")
     if strict and warnings:
         raise CommandError(f"{len(warnings)} warning(s) about {store.url}")
+
+
+@lease.command(name="sweep", cls=CeleryCommand)
+@click.option("--dry-run", is_flag=True, help="Only list the expired leases a run would reclaim.")
+@click.option("--limit", type=click.IntRange(1), default=1000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_fails_cleanly
+def sweep_command(ctx: click.Context, dry_run: bool, limit: int, as_json: bool) -> None:
+    """Run the sweeper once: records past retention, and expired leases with on_expired hooks.
+
+    Exits 1 when a cleanup hook failed (the lease is kept for the next run)."""
+    from ._sweeper import run_sweep
+
+    app = ctx.obj.app
+    app.loader.import_default_modules()  # the task modules, where on_expired hooks live
+    store = _store(ctx)
+    report = run_sweep(app, store=store, limit=limit, dry_run=dry_run)
+    if as_json:
+        _dump(ctx, report.as_dict())
+    elif dry_run:
+        ctx.obj.echo(f"{len(report.expired)} expired lease(s) with an on_expired hook:")
+        for resource in report.expired:
+            ctx.obj.echo(f"  {resource}")
+        ctx.obj.echo("(records past retention are not counted in a dry run)")
+    else:
+        ctx.obj.echo(f"swept:          {report.swept} record(s) past retention")
+        ctx.obj.echo(f"reclaimed:      {len(report.reclaimed)} expired lease(s)")
+        ctx.obj.echo(f"cleanup failed: {len(report.cleanup_failed)}")
+        for resource in report.cleanup_failed:
+            ctx.obj.echo(f"  {resource} (kept for the next run)")
+    if report.cleanup_failed:
+        raise CommandError(
+            f"cleanup failed for {len(report.cleanup_failed)} expired lease(s): "
+            f"{', '.join(report.cleanup_failed[:5])}; see the WARNING log lines"
+        )

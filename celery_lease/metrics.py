@@ -83,7 +83,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("outcome",),
     ),
     "celery_lease_sweeps_total": (
-        "Expired leases the sweeper handled, by result: swept, reclaimed, cleanup_failed",
+        "Sweeper results: records past retention swept, expired leases reclaimed, cleanups failed",
         ("result",),
     ),
 }

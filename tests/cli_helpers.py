@@ -27,13 +27,13 @@ class Target:
     store: Any
     extra_env: dict[str, str]
 
+    def env(self) -> dict[str, str]:
+        """The environment that points tests.cli_app at this store."""
+        return {"CLI_STORE": self.url, "CLI_PREFIX": self.prefix, **self.extra_env}
+
     def run(self, *args: str, stdin: str = "", env: dict[str, str] | None = None) -> Any:
         """Run ``celery -A tests.cli_app lease <args>``; returns the CompletedProcess."""
-        return run_lease(
-            *args,
-            stdin=stdin,
-            env={"CLI_STORE": self.url, "CLI_PREFIX": self.prefix, **self.extra_env, **(env or {})},
-        )
+        return run_lease(*args, stdin=stdin, env={**self.env(), **(env or {})})
 
     def json(self, *args: str) -> Any:
         """Run a command with ``--json``; assert it succeeded and return the parsed output."""
