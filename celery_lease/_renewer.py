@@ -1,11 +1,18 @@
 """One renewal thread per process for every lease the process holds.
 
-The thread wakes when the next renewal is due (each lease every ``renew_interval``, with
-jitter), renews all leases due around then in one batched store call, and watches two deadlines
-per lease: its self-fence deadline (``ttl - margin`` after the last successful renewal was
-*sent*) and its hard runtime cap. When a lease is found lost, or a deadline passes without a
-successful renewal, it calls the hold's ``on_lost`` (which stops the task body). Store calls run
-on a helper I/O thread so a store that hangs (a network black hole) cannot stop the watchdog.
+The thread keeps time and does no I/O. It wakes when the next renewal is due (each lease every
+``renew_interval``, with jitter) and hands the renewals due around then, one batch per store,
+to a lane (:mod:`._lanes`), a thread that makes the store call. Meanwhile it watches two
+deadlines of every lease, whatever its store is doing: the self-fence deadline (``ttl - margin``
+after the last successful renewal was *sent*) and the hard runtime cap. A lease found lost, or
+whose deadline passes without a successful renewal, has its hold's ``on_lost`` called (which
+stops the task body) from a thread of its own, so that nothing, a hanging store call or another
+lease's slow callback, delays that interruption.
+
+A renewal still unanswered one interval after it was sent is sent again on another lane (a
+renewal is safe to repeat): a connection that stopped answering costs its leases one interval,
+not their lease. A store can occupy at most two lanes, so a store that hangs cannot take the
+lanes of the others, and independent leases never queue behind one slow call.
 
 The thread never dies silently: any unexpected error is logged and the loop goes on; leases
 whose renewals keep failing are declared lost at their deadline. It exits once nothing has
@@ -20,14 +27,13 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _events as events
 from . import _failpoints as failpoints
-from ._errors import LeaseError, LeaseLostError, LeaseStoreError
+from ._errors import LeaseError, LeaseLostError
+from ._lanes import PER_STORE, TOTAL, Lanes
 from ._lease import Lease
 
 __all__ = ["Hold", "Renewer", "get_renewer"]
@@ -44,6 +50,7 @@ class Hold:
     """One lease the renewer keeps alive until it is dropped or lost."""
 
     __slots__ = (
+        "call",
         "done",
         "hard_deadline",
         "interval",
@@ -73,24 +80,52 @@ class Hold:
         self.done = False
         #: The last renewal failed: retry at next_due itself, never earlier (see _due).
         self.retrying = False
+        #: The renewal call in flight for this lease (the newest, if it was sent again).
+        self.call: _Call | None = None
+
+
+class _Call:
+    """One renewal call: the holds it renews, on one store, and when to send it again."""
+
+    __slots__ = ("holds", "resend_at", "resent", "store")
+
+    def __init__(self, holds: list[Hold], now: float) -> None:
+        self.holds = holds
+        self.store = holds[0].store
+        self.resend_at = now + min(h.interval for h in holds)
+        self.resent = False
 
 
 class Renewer:
-    """Keeps the leases of this process alive (see the module docstring)."""
+    """Keeps the leases of this process alive (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        lanes: threads for store calls, at most (two per store at once). ``lanes=1`` is the
+            negative control of the tests: every store's calls queue behind the one in flight.
+    """
+
+    def __init__(self, *, lanes: int = TOTAL) -> None:
         self._cond = threading.Condition()
         self._holds: set[Hold] = set()
+        self._calls: set[_Call] = set()
         self._thread: threading.Thread | None = None
-        self._io: ThreadPoolExecutor | None = None
+        self._lane_count = lanes
+        self._lanes = self._new_lanes()
         self._wake_at = float("inf")
         self._lost: list[tuple[Hold, LeaseLostError]] = []
         self._closing = False
         self._pid = os.getpid()
-        self._warmed: set[int] = set()  # id() of the stores whose I/O connection is open
-        #: Renewal calls sent, failed and leases declared lost (for tests and metrics).
+        self._warmed: set[int] = set()  # id() of the stores whose renewal connection is open
+        #: Renewal calls sent and failed (for tests and metrics).
         self.calls = 0
         self.failures = 0
+
+    def _new_lanes(self) -> Lanes:
+        return Lanes(
+            total=self._lane_count,
+            per_store=min(PER_STORE, self._lane_count),
+            name=f"{THREAD_NAME}-lane",
+        )
 
     # -- public ------------------------------------------------------------------------------
     def hold(
@@ -126,11 +161,12 @@ class Renewer:
         with self._cond:
             if id(store) in self._warmed:
                 return
-            # The executor first: a new I/O thread has no connections, so making one clears
-            # the marks (marking before that made the next lease warm up a second time).
-            io = self._io_executor()
-            self._warmed.add(id(store))
-        io.submit(_warm_up, store)
+            if self._lanes.submit(id(store), lambda: _warm_up(store), self._lane_freed):
+                self._warmed.add(id(store))
+
+    def _lane_freed(self, _result: object = None) -> None:
+        with self._cond:
+            self._cond.notify()  # a renewal may be waiting for that lane
 
     def drop(self, hold: Hold) -> None:
         """Stop renewing (the lease was released or the task ended). Never renews it again."""
@@ -162,14 +198,10 @@ class Renewer:
                         continue
                     idle_since = None
                     self._declare_overdue(now)
-                    due = self._due(now)
-                    if not due and not self._lost and self._holds:
-                        self._wait(self._next_wake() - now)
-                        continue
+                    blocked = self._send(now)
+                    if not self._lost and self._holds:
+                        self._wait(self._next_wake(blocked) - now)
                 self._report_lost()
-                if due:
-                    self._renew(due)
-                    self._report_lost()
             except Exception:  # never die silently: log, back off briefly, go on
                 log.exception("celery_lease renewal loop error; continuing")
                 time.sleep(MIN_RETRY)
@@ -180,16 +212,113 @@ class Renewer:
         self._cond.wait(seconds)
         self._wake_at = float("-inf")
 
-    def _next_wake(self) -> float:
-        return min(min(h.next_due, h.lease.deadline, h.hard_deadline) for h in self._holds)
+    def _next_wake(self, blocked: set[int]) -> float:
+        """The next deadline, due time or re-send time (a blocked store's wait for a lane)."""
+        wake = float("inf")
+        for h in self._holds:
+            wake = min(wake, h.lease.deadline, h.hard_deadline)
+            if h.call is None and id(h.store) not in blocked:
+                wake = min(wake, h.next_due)
+        for call in self._calls:
+            if not call.resent and id(call.store) not in blocked:
+                wake = min(wake, call.resend_at)
+        return wake
 
     def _due(self, now: float) -> list[Hold]:
         # Coalesce: renew everything due within a third of its interval in this one call. A
         # retry after a failure is due at its own time only: the window is wider than the
         # retry gap, and would otherwise retry a failing store back to back.
         return [
-            h for h in self._holds if h.next_due <= now + (0.0 if h.retrying else h.interval / 3)
+            h
+            for h in self._holds
+            if h.call is None and h.next_due <= now + (0.0 if h.retrying else h.interval / 3)
         ]
+
+    def _send(self, now: float) -> set[int]:
+        """Hand due renewals to lanes (under the lock); returns the stores with no free lane."""
+        blocked: set[int] = set()
+        for call in list(self._calls):
+            if call.resent or call.resend_at > now:
+                continue
+            # Unanswered for an interval: send it again on another lane (its connection may
+            # be the one that stopped answering).
+            pending = [h for h in call.holds if h.call is call and not h.done]
+            if not pending:
+                call.resent = True
+            elif id(call.store) in blocked or not self._submit(pending, now):
+                blocked.add(id(call.store))
+            else:
+                call.resent = True
+        by_store: dict[int, list[Hold]] = {}
+        for hold in self._due(now):
+            by_store.setdefault(id(hold.store), []).append(hold)
+        for key, holds in by_store.items():
+            if key in blocked or not self._submit(holds, now):
+                blocked.add(key)
+        return blocked
+
+    def _submit(self, holds: list[Hold], now: float) -> bool:
+        store = holds[0].store
+        assert store is not None
+        call = _Call(holds, now)
+        leases = [h.lease for h in holds]
+        if not self._lanes.submit(
+            id(store), lambda: _renew(store, leases), lambda result: self._finished(call, result)
+        ):
+            return False
+        self.calls += 1
+        self._calls.add(call)
+        for hold in holds:
+            hold.call = call
+        return True
+
+    def _finished(self, call: _Call, result: Sequence[LeaseLostError | None] | Exception) -> None:
+        """A lane's call returned: record it, reschedule or lose its leases (on the lane)."""
+        renewed = 0
+        with self._cond:
+            self._calls.discard(call)
+            now = time.monotonic()
+            current = [h for h in call.holds if h.call is call]
+            for hold in current:
+                hold.call = None
+            if isinstance(result, Exception):
+                # (A call sent again meanwhile has the last word; a dropped lease needs none.)
+                pending = [h for h in current if not h.done]
+                if pending:
+                    self._failed(pending, result, now)
+            else:
+                renewed = sum(lost is None for lost in result)
+                for hold, lost in zip(call.holds, result, strict=True):
+                    if hold.done:
+                        continue
+                    if lost is not None:
+                        self._lose(hold, lost)
+                    elif hold.call is None:
+                        # Counted from when this renewal was sent, as its lease time is:
+                        # counted from the reply, a slow link (a round trip near ttl/3)
+                        # would let the next reply arrive after the self-fence deadline.
+                        hold.next_due = hold.lease.sent_monotonic + hold.interval * (
+                            1 - random.uniform(0, JITTER)
+                        )
+                        hold.retrying = False
+            self._declare_overdue(now)
+            self._cond.notify()
+        if renewed:
+            events.count("celery_lease_renewals_total", renewed)
+        self._report_lost()
+
+    def _failed(self, holds: list[Hold], exc: Exception, now: float) -> None:
+        self.failures += 1
+        events.count("celery_lease_renewal_failures_total")
+        if isinstance(exc, LeaseError):
+            log.warning("celery_lease renewal failed: %s", exc)
+        else:  # a bug or a driver error that escaped its store
+            log.error("celery_lease renewal raised unexpectedly", exc_info=exc)
+        for hold in holds:
+            # Retry soon, until the self-fence deadline declares the lease lost.
+            gap = min(hold.interval / 4, max(hold.lease.remaining() / 3, MIN_RETRY))
+            hold.next_due = now + max(gap, MIN_RETRY)
+            hold.retrying = True
 
     def _declare_overdue(self, now: float) -> None:
         """Leases past their runtime cap or self-fence deadline are lost (under the lock)."""
@@ -211,107 +340,44 @@ class Renewer:
         self._lost.append((hold, hold.lease.mark_lost(error)))
 
     def _report_lost(self) -> None:
-        """Run the on_lost callbacks queued by _lose, outside the lock (they may do I/O)."""
-        while self._lost:
-            hold, error = self._lost.pop(0)
-            try:
-                hold.on_lost(hold, error)
-            except Exception:
-                log.exception("celery_lease on_lost callback failed for %r", hold.lease)
-
-    def _renew(self, due: list[Hold]) -> None:
-        by_store: dict[int, list[Hold]] = {}
-        for hold in due:
-            by_store.setdefault(id(hold.store), []).append(hold)
-        for holds in by_store.values():
-            self._renew_batch(holds)
-
-    def _renew_batch(self, holds: list[Hold]) -> None:
-        store = holds[0].store
-        assert store is not None
-        with self._cond:
-            io = self._io_executor()
-        self.calls += 1
-        failpoints.hit("inside_renew")
-        sent = time.monotonic()
-        future: Future[list[LeaseLostError | None]] = io.submit(
-            store.renew_many, [h.lease for h in holds]
-        )
-        results = self._await(future, holds)
-        with self._cond:
-            now = time.monotonic()
-            if isinstance(results, BaseException):
-                self.failures += 1
-                events.count("celery_lease_renewal_failures_total")
-                for hold in holds:
-                    # Retry soon, until the self-fence deadline declares the lease lost.
-                    gap = min(hold.interval / 4, max(hold.lease.remaining() / 3, MIN_RETRY))
-                    hold.next_due = now + max(gap, MIN_RETRY)
-                    hold.retrying = True
-                self._declare_overdue(now)
-                return
-            renewed = sum(result is None for result in results)
-            for hold, result in zip(holds, results, strict=True):
-                if hold.done:
-                    continue
-                if result is None:
-                    # Counted from when this renewal was sent, as its lease time is: counted
-                    # from the reply, a slow link (a round trip near ttl/3) would let the next
-                    # reply arrive after the self-fence deadline.
-                    hold.next_due = sent + hold.interval * (1 - random.uniform(0, JITTER))
-                    hold.retrying = False
-                else:
-                    self._lose(hold, result)
-        if renewed:
-            events.count("celery_lease_renewals_total", renewed)
-
-    def _io_executor(self) -> ThreadPoolExecutor:
-        """The I/O thread's executor (call under the lock)."""
-        if self._io is None:
-            self._io = ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_NAME}-io")
-            self._warmed.clear()  # a new thread has no connections yet
-        return self._io
-
-    def _await(
-        self, future: Future[list[LeaseLostError | None]], holds: list[Hold]
-    ) -> list[LeaseLostError | None] | BaseException:
-        """Wait for the store's answer, declaring leases lost as their deadlines pass."""
+        """Start the on_lost callbacks queued by _lose, each on a thread of its own."""
         while True:
             with self._cond:
-                pending = [h for h in holds if not h.done]
-                if not pending:
-                    future.add_done_callback(_log_late_failure)
-                    return LeaseStoreError("every lease in the batch was lost while waiting")
-                wait = min(min(h.lease.deadline, h.hard_deadline) for h in pending)
-            try:
-                return future.result(timeout=max(0.0, wait - time.monotonic()))
-            except FutureTimeout:
-                with self._cond:
-                    self._declare_overdue(time.monotonic())
-                self._report_lost()
-            except LeaseError as exc:
-                log.warning("celery_lease renewal failed: %s", exc)
-                return exc
-            except Exception as exc:  # a bug or a driver error that escaped its store
-                log.exception("celery_lease renewal raised unexpectedly")
-                return exc
+                if not self._lost:
+                    return
+                hold, error = self._lost.pop(0)
+            threading.Thread(
+                target=_deliver, args=(hold, error), name=f"{THREAD_NAME}-lost", daemon=True
+            ).start()
 
     def shutdown(self) -> None:
-        """Forget every hold (their tasks release them) and stop both threads."""
+        """Forget every hold (their tasks release them) and stop the threads."""
         with self._cond:
             for hold in self._holds:
                 hold.done = True
             self._holds.clear()
+            self._calls.clear()
             self._closing = True
             self._cond.notify()
             thread = self._thread
+            lanes, self._lanes = self._lanes, self._new_lanes()
+            self._warmed.clear()
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
-        with self._cond:
-            io, self._io = self._io, None
-            self._warmed.clear()
-        if io is not None:
-            io.shutdown(wait=False, cancel_futures=True)
+        lanes.shutdown()
+
+
+def _renew(store: Any, leases: list[Lease]) -> Sequence[LeaseLostError | None]:
+    failpoints.hit("inside_renew")
+    result: Sequence[LeaseLostError | None] = store.renew_many(leases)
+    return result
+
+
+def _deliver(hold: Hold, error: LeaseLostError) -> None:
+    try:
+        hold.on_lost(hold, error)
+    except Exception:
+        log.exception("celery_lease on_lost callback failed for %r", hold.lease)
 
 
 def _warm_up(store: Any) -> None:
@@ -322,12 +388,6 @@ def _warm_up(store: Any) -> None:
         warm_up()
     except Exception as exc:  # noqa: BLE001 - the first renewal retries and reports it
         log.debug("warming up the renewal connection failed: %s", exc)
-
-
-def _log_late_failure(future: Future[Any]) -> None:
-    exc = future.exception()
-    if exc is not None:
-        log.debug("late renewal call failed: %s", exc)
 
 
 _renewer: Renewer | None = None

@@ -45,6 +45,9 @@ class FaultyStore(MemoryLeaseStore):
             raise RuntimeError("injected bug")
         if self.mode == "hang":
             self.release_hang.wait(30)
+        if self.mode == "hang_once":  # one connection stopped answering; the others answer
+            self.mode = "ok"
+            self.release_hang.wait(30)
         return super().renew_many(leases, ttl)
 
 
@@ -127,6 +130,48 @@ class TestRenewer:
             assert lost[0][2] < lease.deadline + 0.2
         finally:
             store.release_hang.set()
+
+    @pytest.mark.parametrize(("lanes", "kept"), [(None, True), (1, False)])
+    def test_a_renewal_unanswered_for_an_interval_is_sent_again_on_another_lane(
+        self, store, lanes, kept
+    ):
+        """One hung call costs its lease one interval, not the lease (a renewal is repeatable).
+
+        ``lanes=1`` is the negative control: nowhere to send it again, the lease is lost.
+        """
+        renewer = Renewer() if lanes is None else Renewer(lanes=lanes)
+        try:
+            lost, on_lost = lost_recorder()
+            lease = store.acquire("r", Owner.new(), 0.9)
+            store.mode = "hang_once"
+            renewer.hold(lease, interval=0.3, max_runtime=60, on_lost=on_lost)
+            first = lease.sent_monotonic
+            wait_for(lambda: lease.sent_monotonic > first or lost, 5, "a renewal or a loss")
+            print(f"lanes={lanes}: {len(store.calls)} calls, {lost=}")
+            assert (not lost) is kept
+        finally:
+            store.release_hang.set()
+            renewer.shutdown()
+
+    def test_a_slow_on_lost_callback_does_not_delay_another_leases(self, store, renewer):
+        """Each loss is delivered on a thread of its own: a callback that blocks delays none."""
+        lost, on_lost = lost_recorder()
+        blocked = threading.Event()
+
+        def stuck(hold, error):
+            blocked.wait(10)
+
+        try:
+            first = store.acquire("first", Owner.new(), 0.5)
+            renewer.hold(first, interval=0.1, max_runtime=0.2, on_lost=stuck)
+            time.sleep(0.05)  # so that the second cap comes after the first, not a wait
+            second = store.acquire("second", Owner.new(), 0.5)
+            start = time.monotonic()
+            renewer.hold(second, interval=0.1, max_runtime=0.2, on_lost=on_lost)
+            wait_for(lambda: lost, 5, "the second loss")
+            assert lost[0][1] == "max_runtime" and lost[0][2] - start < 0.2 + 0.1
+        finally:
+            blocked.set()
 
     def test_a_taken_over_lease_is_reported_with_the_new_holder(self, store, renewer):
         lost, on_lost = lost_recorder()

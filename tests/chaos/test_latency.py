@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -94,6 +95,49 @@ def test_a_claim_over_the_slow_link_survives_its_first_renewal(proxied, fraction
     assert not lost and renewer.failures == 0
     info = direct.get(lease.resource)
     assert info is not None and not info.expired and info.fence == lease.fence
+
+
+def _concurrent_claims_over_a_slow_link(proxied, lanes):
+    """Three leases claimed 0.3 s apart by three threads at RTT 0.9 x ttl/3; returns the losses."""
+    proxy, store, direct, _ = proxied
+    renewer = Renewer() if lanes is None else Renewer(lanes=lanes)
+    direct.release(direct.acquire("s10/load-scripts", Owner.new("w"), TTL))  # one trip a claim
+    proxy.set_latency(0.9 * TTL / 3 / 2)
+    lost: list = []
+    holds: list = []
+    renewer.prepare(store)
+
+    def claim(i):
+        lease = store.acquire(f"s10/concurrent-{i}", Owner.new("w"), TTL)
+        holds.append(_hold(renewer, lease, lost))
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+            time.sleep(0.3)  # the stagger between the claims, not a wait for an outcome
+        for thread in threads:
+            thread.join(10)
+        wait_for(lambda: renewer.calls >= 8 or lost, 30, "8 renewal calls")
+    finally:
+        renewer.shutdown()
+        proxy.set_latency(0)
+    print(f"lanes={lanes}: {renewer.calls} renewal calls, {renewer.failures} failed, {lost=}")
+    return lost
+
+
+def test_concurrent_claims_over_the_slow_link_do_not_queue_behind_each_other(proxied):
+    """A new lease's first renewal is not held up by another lease's renewal in flight.
+
+    (With one I/O thread, the second lease's first renewal waited for the first lease's
+    renewal to come back, and its reply arrived after its self-fence deadline.)
+    """
+    assert not _concurrent_claims_over_a_slow_link(proxied, None)
+
+
+def test_negative_control_one_lane_queues_the_first_renewals(proxied):
+    """With one lane the same claims lose a lease: the test above would see the queueing."""
+    assert _concurrent_claims_over_a_slow_link(proxied, 1)
 
 
 def test_latency_above_the_ttl_is_a_loss_before_the_store_expiry(proxied):
