@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import math
 import os
 import random
 import threading
@@ -82,7 +83,9 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         create_tables: create the tables (idempotently) when the store is made.
         max_ttl: the largest ttl accepted.
         statement_timeout: PostgreSQL statement and lock timeout in seconds, so a stuck
-            statement cannot pin a row lock (only for an engine the store creates).
+            statement cannot pin a row lock; also the client's connect timeout and TCP user
+            timeout, with keepalive probes on idle connections, so a dead peer cannot block
+            a call until TCP gives up (only for an engine the store creates).
         engine_options: extra keyword arguments for ``sqlalchemy.create_engine``.
     """
 
@@ -690,10 +693,20 @@ def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) 
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30.0}
     elif parsed.get_backend_name() == "postgresql":
         ms = int(statement_timeout * 1000)
+        seconds = max(1, math.ceil(statement_timeout))
         kwargs["connect_args"] = {
             "options": f"-c statement_timeout={ms} -c lock_timeout={ms} "
             f"-c idle_in_transaction_session_timeout={ms * 2}",
-            "connect_timeout": max(1, int(statement_timeout)),
+            # The server enforces the timeouts above only while it runs and can reach us. A
+            # connection to a host that died or a network that drops packets would otherwise
+            # block its thread until TCP gives up (about 15 minutes): bound the connect, the
+            # wait for unacknowledged data, and probe idle connections.
+            "connect_timeout": max(2, seconds),  # (libpq reads 1 as 2)
+            "tcp_user_timeout": ms,
+            "keepalives": 1,
+            "keepalives_idle": seconds,
+            "keepalives_interval": max(1, seconds // 3),
+            "keepalives_count": 3,
         }
         # Autocommit connections: nothing to roll back when a connection goes back to the pool.
         kwargs["pool_reset_on_return"] = None
