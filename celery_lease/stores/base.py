@@ -450,10 +450,11 @@ class BaseLeaseStore:
         """Most drivers notice a fork themselves; stores that do not override this."""
 
     def warm_up(self) -> None:
-        """Open the calling thread's connection now, ahead of its first operation (optional).
+        """Open the renewer's connection now, ahead of its first renewal (optional).
 
-        The renewer calls it on its I/O thread when a process first holds a lease, so the first
-        renewal does not pay for a connection handshake on a slow network.
+        The renewer calls it on one of its lanes while a process's first claim on this store
+        is in flight, so the first renewal does not pay for a connection handshake on a slow
+        network.
         """
 
     def __repr__(self) -> str:
