@@ -8,6 +8,7 @@ environment like the rest of the app (``CL_SINK``, ``CL_SINK_NAME``, ``CL_HISTOR
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -129,6 +130,21 @@ def fp_reconcile(key: str, lease: Lease) -> Any:
     return REDO if found is None else found
 
 
+def _arm_held_back_failpoint() -> None:
+    """Arm ``inside_renew`` if the test held it back until here (``<marker>.at-hold``).
+
+    The first renewal is due an interval after the claim was sent: with 20 trials starting at
+    once on 2 cores it could fall inside effect ``a`` instead of the hold that follows it. Held
+    back until here, the renewal it kills is one during the hold, after ``a`` was recorded.
+    """
+    once = os.environ.get("CELERY_LEASE_FAILPOINTS_ONCE")
+    if not once or not os.path.exists(f"{once}.inside_renew.at-hold"):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{once}.inside_renew")  # the marker that held it back: now it may fire
+    os.unlink(f"{once}.inside_renew.at-hold")
+
+
 def _failpoint_body(task: Any, trial: int, hold: float) -> dict[str, Any]:
     lease = current_lease()
     record_acquire(lease)
@@ -148,6 +164,7 @@ def _failpoint_body(task: Any, trial: int, hold: float) -> dict[str, Any]:
 
     a = lease.effect("a")(lambda: apply("a"))
     lease.checkpoint("a", a)
+    _arm_held_back_failpoint()
     time.sleep(hold)
     b = lease.effect("b")(lambda: apply("b"))
     lease.checkpoint("b", b)

@@ -126,6 +126,9 @@ class Matrix:
             for other in SITES:
                 if other != site:
                     (self.once / f"trial-{trial}.{other}").touch()
+            if site == "inside_renew":  # held back until the body's hold (eo_tasks)
+                (self.once / f"trial-{trial}.inside_renew").touch()
+                (self.once / f"trial-{trial}.inside_renew.at-hold").touch()
             record: dict[str, Any] = {"trial": trial, "site": site, "task": task}
             if site == "inside_reconcile":
                 record["earlier_applied"] = rng.random() < 0.5
@@ -159,7 +162,9 @@ class Matrix:
 
 def fired(matrix: Matrix, record: dict[str, Any]) -> bool:
     """Whether the trial's site fired (its once-marker was created, right before the kill)."""
-    return (matrix.once / f"trial-{record['trial']}.{record['site']}").exists()
+    marker = matrix.once / f"trial-{record['trial']}.{record['site']}"
+    held_back = marker.with_name(f"{marker.name}.at-hold")  # never armed: the pre-made marker
+    return marker.exists() and not held_back.exists()
 
 
 def run_matrix(matrix: Matrix, seed: int) -> None:
