@@ -169,7 +169,8 @@ class TestRenewer:
             start = time.monotonic()
             renewer.hold(second, interval=0.1, max_runtime=0.2, on_lost=on_lost)
             wait_for(lambda: lost, 5, "the second loss")
-            assert lost[0][1] == "max_runtime" and lost[0][2] - start < 0.2 + 0.1
+            # (the first callback blocks for 10 s: anything near that is the old serial delivery)
+            assert lost[0][1] == "max_runtime" and lost[0][2] - start < 2.0
         finally:
             blocked.set()
 

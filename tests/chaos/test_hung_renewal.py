@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.chaos_ci]
 TTL = 1.5
 INTERVAL = TTL / 3
 MARGIN = TTL / 4
-LATE = 0.1  # a loss declared this long after its deadline counts as late
+LATE = 0.25  # declared this long after its deadline counts as late (measured: 1-4 ms)
 
 
 @dataclass
