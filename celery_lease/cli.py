@@ -27,7 +27,7 @@ from ._errors import LeaseBusyError, LeaseConfigError, LeaseError
 from ._lease import LeaseInfo, Owner
 from ._names import holder_task_id, validate_resource
 from ._settings import LeaseSettings
-from .stores.base import MAX_LIST_LIMIT, IdentityInfo, LeaseStore
+from .stores.base import MAX_LIST_LIMIT, IdentityInfo, LeaseStore, Waiter
 
 __all__ = ["holder_task_id", "lease", "prefix_of"]
 
@@ -152,6 +152,16 @@ def _identity_json(record: IdentityInfo) -> dict[str, Any]:
     }
 
 
+def _waiter_json(waiter: Waiter) -> dict[str, Any]:
+    return {
+        "position": waiter.position,
+        "identity": waiter.identity,
+        "since": waiter.since.isoformat(),
+        "expires_at": waiter.expires_at.isoformat(),
+        "woken": waiter.woken,
+    }
+
+
 def _table(ctx: click.Context, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
@@ -175,16 +185,26 @@ def lease(ctx: click.Context) -> None:
 @click.option("--prefix", default="", help="Only resources starting with this.")
 @click.option("--expired", is_flag=True, help="Only leases that expired and were never released.")
 @click.option("--limit", type=click.IntRange(1), default=1000, show_default=True)
+@click.option(
+    "--waiters", is_flag=True, help="Add each resource's wait-list length (a read per lease)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @_fails_cleanly
-def ls(ctx: click.Context, prefix: str, expired: bool, limit: int, as_json: bool) -> None:
+def ls(
+    ctx: click.Context, prefix: str, expired: bool, limit: int, waiters: bool, as_json: bool
+) -> None:
     """List leases, soonest expiry first: holder, fence, expiry, task id."""
     store = _store(ctx)
     found = list(_iter_leases(store, prefix=prefix, expired_only=expired, limit=limit + 1))
     shown, more = found[:limit], len(found) > limit
+    waiting = {info.resource: len(store.waiters(info.resource)) for info in shown if waiters}
     if as_json:
-        _dump(ctx, [_lease_json(info) for info in shown])
+        rows_json = [_lease_json(info) for info in shown]
+        if waiters:
+            for row in rows_json:
+                row["waiters"] = waiting[row["resource"]]
+        _dump(ctx, rows_json)
         return
     if not shown:
         ctx.obj.echo("No expired leases." if expired else "No leases.")
@@ -196,10 +216,12 @@ def ls(ctx: click.Context, prefix: str, expired: bool, limit: int, as_json: bool
             str(info.fence),
             _duration(info.expires_in) + (" (expired)" if info.expired else ""),
             holder_task_id(info.owner_label) or "-",
+            *([str(waiting[info.resource])] if waiters else []),
         ]
         for info in shown
     ]
-    _table(ctx, ["RESOURCE", "HOLDER", "FENCE", "EXPIRES IN", "TASK ID"], rows)
+    header = ["RESOURCE", "HOLDER", "FENCE", "EXPIRES IN", "TASK ID"]
+    _table(ctx, header + (["WAITERS"] if waiters else []), rows)
     if more:
         ctx.obj.echo(f"(more than {limit} leases; use --limit or --prefix)")
 
@@ -211,13 +233,17 @@ def ls(ctx: click.Context, prefix: str, expired: bool, limit: int, as_json: bool
 @click.pass_context
 @_fails_cleanly
 def show(ctx: click.Context, resource: str, identity: str | None, as_json: bool) -> None:
-    """Show RESOURCE's lease (and a task identity's record with --identity)."""
+    """Show RESOURCE's lease and wait list (and a task identity's record with --identity)."""
     resource = _resource(resource)
     store = _store(ctx)
     info = store.get(resource)
+    queue = store.waiters(resource)
     record = store.identity_get(resource, identity) if identity is not None else None
     if as_json:
-        out: dict[str, Any] = {"lease": None if info is None else _lease_json(info)}
+        out: dict[str, Any] = {
+            "lease": None if info is None else _lease_json(info),
+            "waiters": [_waiter_json(waiter) for waiter in queue],
+        }
         if identity is not None:
             out["identity"] = None if record is None else _identity_json(record)
         _dump(ctx, out)
@@ -237,6 +263,13 @@ def show(ctx: click.Context, resource: str, identity: str | None, as_json: bool)
             ("expires in", _duration(info.expires_in)),
         ):
             ctx.obj.echo(f"{name + ':':<13}{value}")
+    if queue:
+        ctx.obj.echo(f"waiters:     {len(queue)} (head first)")
+        for waiter in queue:
+            woken = ", woken" if waiter.woken else ""
+            ctx.obj.echo(
+                f"  {waiter.position}. {waiter.identity} (since {waiter.since.isoformat()}{woken})"
+            )
     if identity is not None:
         if record is None:
             ctx.obj.echo(f"identity {identity!r}: no record")

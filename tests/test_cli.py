@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease import Owner
+from celery_lease import LeaseBusyError, Owner
 from celery_lease.cli import holder_task_id, prefix_of
 from tests.cli_helpers import Target, make_target, one_line_error, run_lease
 
@@ -71,8 +71,12 @@ class TestEveryStore:
         live = store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60, identity="job-1")
         store.acquire("db:x", Owner.new("custom label"), 60)
         expire(store, "browser/b", "celery@w1:13:task-bbb")
+        with pytest.raises(LeaseBusyError):  # queues on stores with a wait list (Redis)
+            store.acquire("browser/a", Owner.new("w2"), 60, identity="job-2", wait="wake-2")
+        queued = 1 if target.url.startswith("redis") else 0
 
-        listed = {row["resource"]: row for row in target.json("ls")}
+        listed = {row["resource"]: row for row in target.json("ls", "--waiters")}
+        assert listed["browser/a"]["waiters"] == queued
         assert set(listed) == {"browser/a", "browser/b", "db:x"}
         assert listed["browser/a"]["task_id"] == "task-aaa"
         assert listed["browser/a"]["fence"] == live.fence
@@ -85,11 +89,12 @@ class TestEveryStore:
         assert shown["lease"]["fence"] == live.fence
         assert shown["identity"]["state"] == "running"
         assert shown["identity"]["fence"] == live.fence
+        assert [w["identity"] for w in shown["waiters"]] == ["job-2"] * queued
 
         done = target.run("release", "browser/a", "--force", "--yes")
         assert done.returncode == 0, done.stderr
         assert store.get("browser/a") is None
-        again = store.acquire("browser/a", Owner.new("next"), 60)
+        again = store.acquire("browser/a", Owner.new("next"), 60, identity="job-2")
         assert again.fence > live.fence + 1  # the eviction bumped the fence
 
         checked = target.json("check")
