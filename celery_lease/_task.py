@@ -108,6 +108,7 @@ STORE_DOWN_HEADER = "celery_lease_store_down_since"
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def current_lease() -> Lease:
@@ -538,15 +539,29 @@ class LeaseTask(Task):  # type: ignore[misc]
         waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits:
             return None  # this attempt gives up if refused: it must not leave a place to wake
-        headers = dict(request.headers or {})
+        # What signature_from_request() would give, built directly and without the options
+        # that are None: this runs on every claim of a waiting-capable task, refused or not.
+        options = {k: v for k, v in request.as_execution_options().items() if v is not None}
+        headers = dict(options.get("headers") or {})
         headers[WAITS_HEADER] = waits + 1
         headers.pop(STORE_WAITS_HEADER, None)
         headers.pop(STORE_DOWN_HEADER, None)
+        options["headers"] = headers
+        options["retries"] = request.retries or 0
+        if request.ignore_result or self.ignore_result:
+            options["ignore_result"] = True
+        delivery = request.delivery_info or {}
+        if delivery.get("priority") is not None:
+            options["priority"] = delivery["priority"]
+        exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
+        if exchange == "" and routing_key:
+            options["queue"] = routing_key
+        else:
+            options.update((k, v) for k, v in delivery.items() if v is not None)
         try:
-            signature = self.signature_from_request(
-                request, args, kwargs, retries=request.retries or 0, headers=headers
+            payload = _compact_json(
+                {"task": self.name, "args": args, "kwargs": kwargs, "options": options}
             )
-            payload = json.dumps(dict(signature), separators=(",", ":"))
         except (TypeError, ValueError):
             return None
         keep = self._backstop_delay(waits, settings) + settings.ttl + 10.0
@@ -681,6 +696,14 @@ class LeaseTask(Task):  # type: ignore[misc]
         return self._requeue(exc, delay, {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since})
 
     def _busy_cap(self, settings: LeaseSettings) -> float:
+        compiled = self._compiled()
+        if compiled.settings is settings:  # (reading app.conf costs ~15 us: once per process)
+            if compiled.busy_cap is None:
+                compiled.busy_cap = self._read_busy_cap(settings)
+            return compiled.busy_cap
+        return self._read_busy_cap(settings)
+
+    def _read_busy_cap(self, settings: LeaseSettings) -> float:
         cap = settings.busy_backoff_cap
         options = self.app.conf.get("broker_transport_options") or {}
         visibility = options.get("visibility_timeout")
@@ -814,7 +837,7 @@ class LeaseTask(Task):  # type: ignore[misc]
 class _Compiled:
     """What a lease task works out once per process: settings, store, name templates."""
 
-    __slots__ = ("dedup", "identity", "pid", "resource", "settings", "store")
+    __slots__ = ("busy_cap", "dedup", "identity", "pid", "resource", "settings", "store")
 
     def __init__(self, task: LeaseTask) -> None:
         if eventlet_patched():
@@ -825,6 +848,7 @@ class _Compiled:
             )
         self.pid = os.getpid()
         self.settings = task.lease_settings
+        self.busy_cap: float | None = None  # (see LeaseTask._busy_cap)
         self.store: LeaseStore | None = None  # made at the first claim (current_store)
         signature = inspect.signature(task.run)
         resource = _raw_attr(task, "lease_resource")
