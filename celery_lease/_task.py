@@ -20,6 +20,7 @@ Outcomes:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -102,6 +103,8 @@ LEASE_TASK_KEYWORDS = ("resource", "identity", "reconcile", "reconcile_effect", 
 WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
+#: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
+WOKEN_HEADER = "celery_lease_woken_at"
 #: When (wall clock, seconds since the epoch) this execution's claims began to fail.
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
@@ -307,6 +310,11 @@ class LeaseTask(Task):  # type: ignore[misc]
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
             return self._store_down(exc, settings)
         _observe_acquire(claim_started, "claimed")
+        if wait is not None:
+            woken = _header(request, WOKEN_HEADER)
+            if woken is not None:
+                with contextlib.suppress(TypeError, ValueError):
+                    events.observe("celery_lease_handoff_seconds", time.time() - float(woken))
         if outage.down:  # (one dict test while the store is fine)
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
@@ -519,7 +527,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if lease.handoff is not None:
             payload, lease.handoff = lease.handoff, None
             failpoints.hit("before_wake")
-            self._wake(payload, lease.resource)
+            self._wake(payload, lease.resource, "release")
 
     # -- hand-off -------------------------------------------------------------------------------
     def _backstop_delay(self, waits: int, settings: LeaseSettings) -> float:
@@ -546,6 +554,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         headers[WAITS_HEADER] = waits + 1
         headers.pop(STORE_WAITS_HEADER, None)
         headers.pop(STORE_DOWN_HEADER, None)
+        headers.pop(WOKEN_HEADER, None)
         options["headers"] = headers
         options["retries"] = request.retries or 0
         if request.ignore_result or self.ignore_result:
@@ -567,10 +576,12 @@ class LeaseTask(Task):  # type: ignore[misc]
         keep = self._backstop_delay(waits, settings) + settings.ttl + 10.0
         return payload, keep
 
-    def _wake(self, payload: str, resource: str) -> None:
+    def _wake(self, payload: str, resource: str, by: str) -> None:
         """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
         try:
-            signature = self.app.signature(json.loads(payload))
+            message = json.loads(payload)
+            message["options"].setdefault("headers", {})[WOKEN_HEADER] = time.time()
+            signature = self.app.signature(message)
             signature.apply_async()
         except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
             log.warning(
@@ -579,7 +590,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 exc,
             )
             return
-        events.count("celery_lease_handoffs_total")
+        events.count("celery_lease_handoffs_total", by=by)
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(self, busy: LeaseBusyError, settings: LeaseSettings) -> Any:
@@ -598,7 +609,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._skip(busy)
         if busy.wake is not None:  # the resource is free for a head waiter nobody woke
             payload, busy.wake = busy.wake, None
-            self._wake(payload, busy.resource or "?")
+            self._wake(payload, busy.resource or "?", "claim")
         waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits and not duplicate:
             raise LeaseBusyError(
@@ -607,6 +618,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 *busy.args[1:],
             )
         if busy.position:  # queued: the release wakes it; this copy is the back-stop
+            events.observe("celery_lease_wait_list_length", float(busy.position))
             delay = self._backstop_delay(waits, settings)
         else:
             delay = self._busy_delay(waits, settings)
@@ -628,7 +640,12 @@ class LeaseTask(Task):  # type: ignore[misc]
         return self._requeue(
             busy,
             delay,
-            {WAITS_HEADER: waits + 1, STORE_WAITS_HEADER: None, STORE_DOWN_HEADER: None},
+            {
+                WAITS_HEADER: waits + 1,
+                STORE_WAITS_HEADER: None,
+                STORE_DOWN_HEADER: None,
+                WOKEN_HEADER: None,
+            },
         )
 
     def _skip(self, busy: LeaseBusyError) -> None:

@@ -82,6 +82,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "(begun effects), ok, failed (the task's reconcile hook)",
         ("outcome",),
     ),
+    "celery_lease_handoffs_total": (
+        "Waiting tasks woken at once: by the release that handed the resource over (release), "
+        "or by a claim that found the head waiter never woken, its releaser gone (claim)",
+        ("by",),
+    ),
     "celery_lease_sweeps_total": (
         "Sweeper results: records past retention swept, expired leases reclaimed, cleanups failed",
         ("result",),
@@ -94,6 +99,16 @@ HISTOGRAMS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...]]] = {
         "Claim latency (one store acquire call), by result: claimed, busy, duplicate, error",
         ("result",),
         (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    ),
+    "celery_lease_handoff_seconds": (
+        "Hand-off latency: from the wake (the woken task's message sent) to its claim",
+        (),
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    ),
+    "celery_lease_wait_list_length": (
+        "Length of the resource's wait list when a refused claim joined it (its place)",
+        (),
+        (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
     ),
     "celery_lease_hold_seconds": (
         "Seconds a task held its lease, from claim to release",
