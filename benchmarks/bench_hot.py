@@ -156,6 +156,8 @@ class Bench:
         figures = analyse(records, n, hold, published_at)
         figures["label"] = label
         figures["timed_out"] = figures["ran"] < n
+        figures["published_at"] = published_at
+        figures["records"] = records  # every attempt, for a closer look (--json)
         return figures
 
 

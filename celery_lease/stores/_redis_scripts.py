@@ -24,6 +24,8 @@ so no user input ever becomes part of a lease key name or pattern)::
                                   first: "<identity> <since_us> <expires_us> <woken_until_us>"
     <prefix>{NN}:wpay      hash   "<resource>|<identity>" -> the waiter's wake payload (the
                                   message its task sends again when woken), opaque text
+    <prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us): the
+                                  sweep drops wait lists nobody touched again through it
 
 ``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
 the key is validated by the resource-name rule (no braces, globs or spaces) before it is used.
@@ -97,19 +99,25 @@ local function wl_load(wkey, pkey, res, now)
   end
   return list, dirty
 end
-local function wl_save(wkey, res, list)
+local function wl_save(wkey, xkey, res, list)
   if #list == 0 then
     redis.call('HDEL', wkey, res)
+    redis.call('ZREM', xkey, res)
     return
   end
-  local parts = {}
-  for k, e in ipairs(list) do parts[k] = e[1] .. ' ' .. e[2] .. ' ' .. e[3] .. ' ' .. e[4] end
+  local parts, last = {}, 0
+  for k, e in ipairs(list) do
+    parts[k] = e[1] .. ' ' .. e[2] .. ' ' .. e[3] .. ' ' .. e[4]
+    if tonumber(e[3]) > last then last = tonumber(e[3]) end
+  end
   redis.call('HSET', wkey, res, table.concat(parts, '\\n'))
+  redis.call('ZADD', xkey, last, res)
 end
 """
 
 
 def _release_tail(leases: int, expiry: int, waits: int, wpay: int, grace: int) -> str:
+    # KEYS[waits + 2] is the waits_exp index
     """Release the lease in KEYS[leases] if ARGV[2] (token) and ARGV[3] (fence) hold it, then
     hand over to the head waiter: it may claim alone until now + grace (it loses its place
     after that), and its wake payload is returned for the releaser to send."""
@@ -122,13 +130,13 @@ redis.call('HDEL', KEYS[{leases}], ARGV[1])
 redis.call('ZREM', KEYS[{expiry}], ARGV[1])
 local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now)
 if #wl == 0 then
-  if dirty then wl_save(KEYS[{waits}], ARGV[1], wl) end
+  if dirty then wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl) end
   return 1
 end
 local head = wl[1]
 head[4] = fmt(now + tonumber(ARGV[{grace}]))
 head[3] = head[4]
-wl_save(KEYS[{waits}], ARGV[1], wl)
+wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl)
 return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. head[1]), head[1]}}
 """
 
@@ -137,7 +145,7 @@ ACQUIRE = (
     """
 -- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash (with the shard "!epoch"),
 -- KEYS[4] ids hash, KEYS[5] ids_exp zset, KEYS[6] ckpt hash, KEYS[7] waits hash,
--- KEYS[8] wpay hash
+-- KEYS[8] wpay hash, KEYS[9] waits_exp zset
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us),
 -- ARGV[5] identity or '', ARGV[6] retention (us), ARGV[7] wake payload or '' (join the wait
 -- list when refused; needs an identity), ARGV[8] how long the waiter's place is kept (us),
@@ -211,7 +219,7 @@ if cur then
     if ist == 'running' and ifence == f then dup = 1 end
     local pos = 0
     if dup == 0 then pos = join() end
-    if dirty then wl_save(KEYS[7], ARGV[1], wl) end
+    if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
     return {0, parse_label(cur), tonumber(f), tonumber(e), now, epoch, dup, pos}
   end
 end
@@ -226,7 +234,7 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
       wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. head[1])
       dirty = true
     end
-    if dirty then wl_save(KEYS[7], ARGV[1], wl) end
+    if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
     return {0, 'the waiting task ' .. head[1] .. ' (hand-off)', tonumber(got[1] or '0'),
       tonumber(head[4]), now, epoch, 0, pos, wake}
   end
@@ -234,7 +242,7 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
   redis.call('HDEL', KEYS[8], member)
   dirty = true
 end
-if dirty then wl_save(KEYS[7], ARGV[1], wl) end
+if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
 if cur then
   local tok, f, a, e, label, tail = parse(cur)
   if tonumber(e) > now then
@@ -324,7 +332,8 @@ return out
 
 RELEASE = (
     """
--- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] waits hash, KEYS[4] wpay hash
+-- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] waits hash, KEYS[4] wpay hash,
+-- KEYS[5] waits_exp zset
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] hand-off grace (us)
 -- returns 1 when released, 0 when the lease was not this owner's (nothing changed),
 -- {1, wake payload, identity} when released and handed over to the head waiter
@@ -337,7 +346,7 @@ RELEASE = (
 RELEASE_OUTCOME = (
     """
 -- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] ids hash, KEYS[4] ids_exp zset,
--- KEYS[5] waits hash, KEYS[6] wpay hash
+-- KEYS[5] waits hash, KEYS[6] wpay hash, KEYS[7] waits_exp zset
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity,
 -- ARGV[5] outcome ('done', 'failed', 'retry'), ARGV[6] result (JSON) or '',
 -- ARGV[7] retention (us), ARGV[8] hand-off grace (us)
@@ -470,14 +479,17 @@ return out
 
 SWEEP = (
     """
--- KEYS[5s-4] ids hash, KEYS[5s-3] ids_exp zset, KEYS[5s-2] ckpt hash, KEYS[5s-1] ledger hash
--- and KEYS[5s] ledger_exp zset of shard s, for every shard to sweep
+-- KEYS[8s-7] ids hash, KEYS[8s-6] ids_exp zset, KEYS[8s-5] ckpt hash, KEYS[8s-4] ledger hash,
+-- KEYS[8s-3] ledger_exp zset, KEYS[8s-2] waits hash, KEYS[8s-1] wpay hash and KEYS[8s]
+-- waits_exp zset of shard s, for every shard to sweep
 -- ARGV[1] the most entries to remove
 -- removes identity entries (with their checkpoints) and ledger entries past their retention,
--- found through the retention indexes (cost proportional to what is removed)
--- returns how many entries were removed
+-- and wait lists whose every place lapsed, found through their indexes (cost proportional to
+-- what is removed)
+-- returns how many entries (a wait list counts as one) were removed
 """
     + _NOW
+    + _WAITS
     + """
 local left = tonumber(ARGV[1])
 local removed = 0
@@ -493,10 +505,19 @@ local function drop(index, hash1, hash2)
   left = left - #old
   removed = removed + #old
 end
-for s = 1, #KEYS / 5 do
-  local k = 5 * (s - 1)
+for s = 1, #KEYS / 8 do
+  local k = 8 * (s - 1)
   drop(KEYS[k + 2], KEYS[k + 1], KEYS[k + 3])
   drop(KEYS[k + 5], KEYS[k + 4], false)
+  if left > 0 then
+    local lapsed = redis.call('ZRANGEBYSCORE', KEYS[k + 8], '-inf', now, 'LIMIT', 0, left)
+    for _, res in ipairs(lapsed) do
+      local wl = wl_load(KEYS[k + 6], KEYS[k + 7], res, now)
+      wl_save(KEYS[k + 6], KEYS[k + 8], res, wl)
+    end
+    left = left - #lapsed
+    removed = removed + #lapsed
+  end
 end
 return removed
 """

@@ -81,6 +81,7 @@ _MAX_CONNECTIONS = 10_000
 
 _KEY_KINDS = (
     "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp", "waits", "wpay",
+    "waits_exp",
 )  # fmt: skip
 
 
@@ -456,8 +457,9 @@ class RedisLeaseStore(BaseLeaseStore):
         payload = self._wait_args(identity, wait, wait_ttl)
         shard = self.shard_of(resource)
         keys = self._keys(
-            shard, "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "waits", "wpay"
-        )
+            shard, "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "waits", "wpay",
+            "waits_exp",
+        )  # fmt: skip
         args: list[str | int] = [
             resource,
             owner.token,
@@ -596,12 +598,14 @@ class RedisLeaseStore(BaseLeaseStore):
         shard = self.shard_of(lease.resource)
         grace = max(1, round(self.handoff_grace * 1e6))
         if outcome is None:
-            keys = self._keys(shard, "leases", "expiry", "waits", "wpay")
+            keys = self._keys(shard, "leases", "expiry", "waits", "wpay", "waits_exp")
             args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, grace]
             script = self._release
         else:
             self._outcome_args(lease, outcome)
-            keys = self._keys(shard, "leases", "expiry", "ids", "ids_exp", "waits", "wpay")
+            keys = self._keys(
+                shard, "leases", "expiry", "ids", "ids_exp", "waits", "wpay", "waits_exp"
+            )
             args = [
                 lease.resource,
                 lease.owner.token,
@@ -782,7 +786,10 @@ class RedisLeaseStore(BaseLeaseStore):
         for shards in calls:
             keys: builtins.list[str] = []
             for shard in shards:
-                keys += self._keys(shard, "ids", "ids_exp", "ckpt", "ledger", "ledger_exp")
+                keys += self._keys(
+                    shard, "ids", "ids_exp", "ckpt", "ledger", "ledger_exp", "waits", "wpay",
+                    "waits_exp",
+                )  # fmt: skip
             with self._run("sweep"):
                 removed += int(self._sweep(keys=keys, args=[limit - removed]))
             if removed >= limit:

@@ -160,6 +160,32 @@ class TestWaitList:
             assert copy.position == 1 and str(copy) == str(busy)
 
 
+class TestWaitListCleanup:
+    def test_the_sweep_drops_a_wait_list_whose_places_all_lapsed(self, wstore, names):
+        """A list nobody touches again (its waiters gone) is removed by sweep_expired."""
+        r, kept = names + "r", names + "kept"
+        claim(wstore, r, "holder")
+        claim(wstore, kept, "holder2")
+        refused(wstore, r, "gone", wait_ttl=0.05)
+        refused(wstore, kept, "stays")
+        wait_for(lambda: _raw_waits(wstore, r) == 0 or not wstore.waiters(r), 5, "the lapse")
+        wait_for(lambda: wstore.sweep_expired(limit=1000) >= 0 and _raw_waits(wstore, r) == 0,
+                 5, "the sweep to drop the lapsed list")  # fmt: skip
+        assert _raw_waits(wstore, kept) == 1  # a live list is kept
+        assert [w.identity for w in wstore.waiters(kept)] == ["stays"]
+
+
+def _raw_waits(store, resource):
+    """How many waiter lines the store keeps for ``resource``, lapsed ones included."""
+    if hasattr(store, "_waits"):  # memory
+        return len(store._waits.get(resource, ()))
+    waits, wpay = store._keys(store.shard_of(resource), "waits", "wpay")
+    raw = store.client.hget(waits, resource)
+    lines = raw.decode().count("\n") + 1 if raw else 0
+    payloads = sum(1 for k in store.client.hkeys(wpay) if k.decode().startswith(resource + "|"))
+    return max(lines, payloads)
+
+
 class TestWaitRoundTrips:
     def test_joining_and_handing_over_are_one_call_each(self, request, tmp_path, names):
         """The refused claim that joins and the release that hands over send one command each."""
