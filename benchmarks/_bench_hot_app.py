@@ -8,10 +8,12 @@ body sleeps.
 
 What each task does is written to the report Redis (its own server, never the store), one
 ``RPUSH`` per attempt, after the attempt ends (``task_postrun``, after the lease release):
-``{"i", "pid", "attempt_at", "start", "end", "state", "calls"}`` where ``start``/``end`` bracket
-the body (absent when the attempt did not run it) and ``calls`` counts the lease store calls
-this attempt made (acquire, release, ... counted in-process by wrapping the store methods,
-whatever the store). Times are ``time.time()`` (one clock for every process on the machine).
+``{"i", "pid", "attempt_at", "start", "end", "state", "calls"}`` where ``attempt_at`` is when
+the attempt called ``acquire`` (its arrival at the store, give or take the client's own delays),
+``start``/``end`` bracket the body (absent when the attempt did not run it) and ``calls`` counts
+the lease store calls this attempt made (acquire, release, ... counted in-process by wrapping
+the store methods, whatever the store). Times are ``time.time()`` (one clock for every process
+on the machine).
 """
 
 from __future__ import annotations
@@ -86,9 +88,13 @@ HOT_TASKS = frozenset(name for name in app.tasks if name.startswith("hot."))
 
 # -- counting store calls --------------------------------------------------------------------
 def _counted(method: Any) -> Any:
+    first_claim = method.__name__ == "acquire"
+
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         _local.calls = getattr(_local, "calls", 0) + 1
+        if first_claim and getattr(_local, "claim_at", None) is None:
+            _local.claim_at = time.time()  # the attempt's arrival, as near the store as we see
         return method(self, *args, **kwargs)
 
     return call
@@ -134,7 +140,7 @@ def _prerun(task: Any = None, **_: Any) -> None:
     if task.name not in HOT_TASKS:
         return
     _local.attempt_at = time.time()
-    _local.start = _local.end = None
+    _local.start = _local.end = _local.claim_at = None
     _local.calls = 0
 
 
@@ -146,7 +152,7 @@ def _postrun(task: Any = None, args: Any = None, state: Any = None, **_: Any) ->
     record = {
         "i": i,
         "pid": os.getpid(),
-        "attempt_at": _local.attempt_at,
+        "attempt_at": getattr(_local, "claim_at", None) or _local.attempt_at,
         "start": _local.start,
         "end": _local.end,
         "state": state,
