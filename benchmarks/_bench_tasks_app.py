@@ -34,7 +34,7 @@ from celery_singleton import Singleton
 
 import celery_lease
 from celery_lease import current_lease, lease_task
-from celery_lease._events import METRICS
+from celery_lease.metrics import snapshot as lease_metrics
 
 env = os.environ
 PREFIX = "CELERY_LEASE_BENCH_"
@@ -205,7 +205,7 @@ def report(run: str, key: str) -> None:
         "last_end": None if stats is None else stats[1],
         "done": 0 if stats is None else stats[2],
         "failed": 0 if stats is None else stats[3],
-        "metrics": dict(METRICS),
+        "metrics": lease_metrics(),
         "celery_lease_file": celery_lease.__file__,
     }
     if _profiler is not None:
