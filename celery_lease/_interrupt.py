@@ -222,7 +222,14 @@ class Interrupter:
             raise LeaseInterrupt("the lease was lost")
 
     def _raise_again(self) -> None:
-        """Raise the interrupt once more if the body swallowed it (in the body's thread)."""
+        """Raise the interrupt once more if the body swallowed it (in the body's thread).
+
+        Not while it is still on its way out: a ``finally`` or ``except`` clause that cleans up
+        (closes a connection, rolls back) while the interrupt propagates must be able to make
+        its store calls, or the cleanup is skipped (a transaction left open holds its locks).
+        """
+        if _propagating():
+            return
         with self._lock:
             if not (self._armed and self._delivered):
                 return
@@ -234,6 +241,19 @@ class Interrupter:
         raise LeaseInterrupt(
             "the lease was lost (raised again: the body went on after the first interrupt)"
         )
+
+
+def _propagating() -> bool:
+    """Whether a LeaseInterrupt is being handled here (in an except or finally clause), also
+    as the context of another exception raised while handling it."""
+    exc: BaseException | None = sys.exc_info()[1]
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, LeaseInterrupt):
+            return True
+        exc = exc.__context__
+        seen += 1
+    return False
 
 
 def raise_if_interrupted() -> None:

@@ -382,6 +382,37 @@ class TestSwallowedInterrupts:
         thread.join(10)
         assert swallowed == [] and isinstance(ended[0], LeaseInterrupt)
 
+    def test_cleanup_while_the_interrupt_propagates_still_makes_its_store_calls(self):
+        """A ``finally`` that closes a connection (a store call, shielded) while the interrupt
+        is on its way out runs; raising it again there would skip the close and leave the
+        transaction, and its row locks, open (seen: the lost-update test on PostgreSQL stalled
+        with 0 of 200 increments done)."""
+        interrupter = Interrupter()
+        interrupter.arm()
+        cleaned: list[str] = []
+        timer = threading.Timer(0.05, interrupter.interrupt)
+
+        def body() -> None:
+            timer.start()
+            try:
+                time.sleep(5)
+            finally:
+                with shielded():  # conn.close(): rolls the transaction back
+                    cleaned.append("closed")
+                try:
+                    raise ValueError("a cleanup step fails and is handled")
+                except ValueError:
+                    with shielded():
+                        cleaned.append("rolled back")
+
+        try:
+            with pytest.raises(LeaseInterrupt):
+                body()
+        finally:
+            timer.join()
+            interrupter.disarm()
+        assert cleaned == ["closed", "rolled back"]
+
     def test_a_swallowed_interrupt_is_raised_again_by_check_store_calls_and_fenced_writes(
         self, tmp_path
     ):
