@@ -8,7 +8,10 @@
 * The body runs in another thread (threads pool): an asynchronous exception
   (``PyThreadState_SetAsyncExc``), raised at the thread's next bytecode. It cannot break a
   blocking C call, so long waits should call ``lease.check()``.
-* gevent: the body's greenlet is killed with :class:`LeaseInterrupt`.
+* gevent: the body greenlet's hub runs a callback (``run_callback_threadsafe``, so the renewer
+  may be a greenlet or a real thread) that throws :class:`LeaseInterrupt` into the body only
+  if it is still armed and not inside a shielded store call: so ``disarm()`` absorbs an
+  interrupt that was sent but not yet delivered, and it never lands in the release.
 
 Disarming waits for an interrupt that is already on its way, so it can never land in the code
 that runs after the body (release, result storage).
@@ -90,12 +93,13 @@ def eventlet_patched() -> bool:
     return bool(is_patched is not None and is_patched("thread"))
 
 
-def _gevent_current() -> Any:
+def _gevent_current() -> tuple[Any, Any] | None:
+    """(the current greenlet, its thread's hub) when gevent patched threading, else None."""
     gevent = sys.modules.get("gevent")
     monkey = sys.modules.get("gevent.monkey")
     if gevent is None or monkey is None or not monkey.is_module_patched("threading"):
         return None
-    return gevent.getcurrent()
+    return gevent.getcurrent(), gevent.get_hub()
 
 
 class Interrupter:
@@ -110,8 +114,10 @@ class Interrupter:
         self._deferred = False
         self._delivered = False  # sent (or raised after a shield) since arm(): never forgotten
         self._thread = threading.current_thread()
-        self._greenlet = _gevent_current()
-        if self._greenlet is not None:
+        green = _gevent_current()
+        self._greenlet: Any = None if green is None else green[0]
+        self._hub: Any = None if green is None else green[1]
+        if green is not None:
             self.mode = "gevent"
         elif _SIGNAL is not None and self._thread is threading.main_thread():
             self.mode = "signal"
@@ -175,14 +181,27 @@ class Interrupter:
                 self._pending = True
                 signal.pthread_kill(self._thread.ident or 0, _SIGNAL)  # type: ignore[arg-type]
             elif self.mode == "gevent":
-                kill = getattr(self._greenlet, "kill", None)
-                if kill is not None:
-                    kill(LeaseInterrupt, block=False)
-                else:
-                    self._greenlet.throw(LeaseInterrupt)
+                # Not greenlet.kill(): a kill already scheduled cannot be taken back, so it
+                # landed after disarm(), inside the release. _deliver checks first.
+                self._hub.loop.run_callback_threadsafe(self._deliver)
             else:
                 _set_async_exc(self._thread.ident, LeaseInterrupt)
             return True
+
+    def _deliver(self) -> None:
+        """gevent: throw the interrupt into the body greenlet if it still wants it (in the hub).
+
+        Runs in the hub, between greenlets, so the body is not inside a critical section of
+        this object; no lock is taken (the hub must never block on one).
+        """
+        if not (self._armed and self._fire):
+            return  # disarmed meanwhile (the body ended) or taken back by a re-raise
+        if self._shield:
+            self._fire = False
+            self._deferred = True  # inside a store call: raised when it returns
+            return
+        if self._greenlet is not None and not self._greenlet.dead:
+            self._greenlet.throw(LeaseInterrupt)
 
     def _release_main(self) -> None:
         global _main  # noqa: PLW0603
