@@ -179,9 +179,15 @@ def _check_conf_keys(conf: Any) -> None:
         return
     known = {f"lease_{f.name}" for f in fields(LeaseSettings)}
     for key in keys:
-        if isinstance(key, str) and key.startswith("lease_") and key not in known:
+        if not isinstance(key, str):
+            continue
+        # A Django-style namespace (config_from_object(..., namespace="CELERY")) spells the
+        # settings CELERY_LEASE_TTL: check those too, whatever the case.
+        name = key.lower()
+        name = name.removeprefix("celery_") if name.startswith("celery_lease_") else name
+        if name.startswith("lease_") and name not in known:
             raise LeaseConfigError(
-                f"app.conf.{key}{did_you_mean(key, known)} is not a celery_lease setting; "
+                f"app.conf.{key}{did_you_mean(name, known)} is not a celery_lease setting; "
                 f"the settings are {', '.join(sorted(known))}"
             )
 

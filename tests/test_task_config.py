@@ -48,6 +48,23 @@ class TestTypos:
             LeaseSettings.resolve(app.conf)  # what the worker bootstep checks at start
         assert ran == []
 
+    def test_a_misspelt_namespaced_setting_is_refused(self, tmp_path):
+        """Django-style CELERY_LEASE_TLL (found in review: it ran with the 60 s default)."""
+
+        class Config:
+            CELERY_LEASE_STORE_URL = f"sqlite:///{tmp_path}/leases.db"
+            CELERY_LEASE_TLL = 5
+
+        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        app.config_from_object(Config, namespace="CELERY")
+        with pytest.raises(LeaseConfigError, match=r"CELERY_LEASE_TLL \(did you mean 'lease_ttl'"):
+            LeaseSettings.resolve(app.conf)
+        Config.CELERY_LEASE_TLL, Config.CELERY_LEASE_TTL = None, 5  # control: the right name
+        del Config.CELERY_LEASE_TLL
+        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        app.config_from_object(Config, namespace="CELERY")
+        assert LeaseSettings.resolve(app.conf).ttl == 5
+
     def test_a_misspelt_class_attribute_is_refused_with_a_suggestion(self):
         """class T(LeaseTask): lease_tll = 5 fails where the class is written."""
         with pytest.raises(LeaseConfigError, match=r"lease_tll \(did you mean 'lease_ttl'\?\)"):

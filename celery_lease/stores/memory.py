@@ -264,8 +264,8 @@ class MemoryLeaseStore(BaseLeaseStore):
                 if record is not None and record[at] == expires:  # not rewritten since
                     del records[key]
                     removed += 1
-            for resource in [r for r, waits in self._waits.items() if removed < limit and
-                             all(w[2] <= now for w in waits)]:  # fmt: skip
+            lapsed = [r for r, waits in self._waits.items() if all(w[2] <= now for w in waits)]
+            for resource in lapsed[: max(0, limit - removed)]:
                 del self._waits[resource]  # every place lapsed: nobody came back
                 removed += 1
         return removed

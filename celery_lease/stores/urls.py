@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from .._errors import LeaseConfigError
 from .._settings import did_you_mean
@@ -24,8 +25,30 @@ SUPPORTED_SCHEMES = (
     "memory://",
 )
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
-# A query password runs to the next "&name=" (a raw '&' inside it must not leak its tail).
-_QUERY_PW = re.compile(r"(?i)([?&]password=).*?(?=&[A-Za-z_][A-Za-z0-9_.\-]*=|\Z)", re.DOTALL)
+# A query parameter's value runs to the next "&name=" (a raw '&' inside a password must not
+# leak its tail). Names may be percent-encoded: drivers decode them (pass%77ord is password).
+_QUERY_FIRST = re.compile(r"(\?)([A-Za-z0-9_.%\-]+)=")
+_QUERY_KEY = re.compile(r"(&)([A-Za-z0-9_.%\-]+)=")
+# Any parameter whose decoded name says secret: password, ssl_password, sslpassword, passwd...
+_SECRET_KEY = re.compile(r"pass|pwd|secret|token", re.IGNORECASE)
+
+
+def _mask_query(text: str) -> str:
+    start = text.find("?")
+    if start < 0:
+        return text
+    first = _QUERY_FIRST.match(text, start)
+    keys = [first] if first else []
+    keys += _QUERY_KEY.finditer(text, first.end() if first else start)
+    if not keys:
+        return text
+    out = [text[: keys[0].start()]]
+    for number, key in enumerate(keys):
+        end = keys[number + 1].start() if number + 1 < len(keys) else len(text)
+        out.append(key.group(0))
+        secret = _SECRET_KEY.search(unquote(key.group(2)))
+        out.append("***" if secret else text[key.end() : end])
+    return "".join(out)
 
 
 def _password_span(text: str) -> tuple[int, int] | None:
@@ -37,13 +60,14 @@ def _password_span(text: str) -> tuple[int, int] | None:
     (the user name before it holds no ``/?#``) to the last ``@`` of the URL. This may mask
     more than the password (an ``@`` in a query), never less.
     """
-    scheme = _SCHEME.match(text)
-    if scheme is None:
-        return None
+    lead = len(text) - len(text.lstrip())  # store_from_url strips; so must the mask
+    scheme = _SCHEME.match(text, lead)
+    if scheme is None or scheme.group(0).lower().startswith("sqlite"):
+        return None  # no URL, or a file path (which may hold ':' and '@'), not a password
     start = scheme.end()
     at = text.rfind("@", start)
     colon = text.find(":", start, at) if at >= 0 else -1
-    if colon < 0 or any(c in text[start:colon] for c in "/?#"):
+    if colon < 0:  # a ':' anywhere before the last '@' may start a password: mask it
         return None
     return colon + 1, at
 
@@ -54,7 +78,7 @@ def mask_url(url: object) -> str:
     span = _password_span(text)
     if span is not None:
         text = f"{text[: span[0]]}***{text[span[1] :]}"
-    return _QUERY_PW.sub(r"\1***", text)
+    return _mask_query(text)
 
 
 def check_credentials(url: str) -> None:

@@ -86,6 +86,23 @@ class TestMaskUrl:
         """Nothing is masked where there is no password (a sqlite path may hold ':' and '@')."""
         assert mask_url(url) == url
 
+    @pytest.mark.parametrize(
+        "url",
+        [
+            " redis://:s3cretpw@host:6379/0",  # store_from_url strips: so does the mask
+            "\tredis://:s3cretpw@host/0",
+            "redis://host:6379/0?pass%77ord=s3cretpw",  # redis-py decodes the name
+            "redis://host:6379/0?%70assword=s3cretpw&db=1",
+            "rediss://127.0.0.1:1/0?ssl_password=s3cretpw",  # the TLS key passphrase
+            "postgresql+psycopg://u@127.0.0.1/db?sslpassword=s3cretpw",
+            "redis://us/er:s3cretpw@host/0",
+        ],
+    )
+    def test_found_in_review_every_spelling_of_a_password_is_masked(self, url):
+        """Each of these showed the password before (reproduced by a review of issue 8)."""
+        assert "s3cretpw" not in mask_url(url)
+        assert "***" in mask_url(url)
+
     def test_non_strings(self):
         """mask_url takes anything an error message may be about."""
         assert mask_url(None) == "None"

@@ -174,6 +174,14 @@ class TestWaitListCleanup:
         assert _raw_waits(wstore, kept) == 1  # a live list is kept
         assert [w.identity for w in wstore.waiters(kept)] == ["stays"]
 
+    def test_the_sweep_of_lapsed_lists_keeps_to_its_limit(self, wstore, names):
+        """limit=1 removes at most one record (found in review: the memory store removed 5)."""
+        for n in range(5):
+            claim(wstore, f"{names}r{n}", "holder")
+            refused(wstore, f"{names}r{n}", f"gone{n}", wait_ttl=0.05)
+        wait_for(lambda: not any(wstore.waiters(f"{names}r{n}") for n in range(5)), 5, "lapse")
+        assert wstore.sweep_expired(limit=1) <= 1
+
 
 def _raw_waits(store, resource):
     """How many waiter lines the store keeps for ``resource``, lapsed ones included."""
