@@ -61,6 +61,7 @@ from ._names import show_value, validate_resource
 from ._renewer import Hold, get_renewer
 from ._settings import LeaseSettings, did_you_mean
 from ._template import NameTemplate
+from .stores.urls import mask_url
 
 if TYPE_CHECKING:
     from .stores import LeaseStore
@@ -280,7 +281,10 @@ class LeaseTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         resource = self.lease_resource_for(args, kwargs)
         identity = self.lease_identity_for(args, kwargs, request)
-        store = compiled.current_store(task=self)
+        try:
+            store = compiled.current_store(task=self)
+        except LeaseStoreError as exc:  # the store could not be made: its server is unreachable
+            return self._store_down(exc, settings)
         owner = Owner.fresh(_owner_label(request))
         get_renewer().prepare(store)  # the renewal connection opens while the claim runs
         wait = None
@@ -685,7 +689,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         request = self.request
         if request.is_eager or request.called_directly:
             raise exc
-        store = getattr(self._compiled().store, "url", "?")
+        made = self._compiled().store
+        store = made.url if made is not None else mask_url(settings.store_url)
         budget = settings.store_down_max_wait
         outage.claim_failed(store, exc, budget)
         now = time.time()
@@ -887,7 +892,10 @@ class _Compiled:
             return override
         store = self.store
         if store is None:
-            store = self.store = get_store(task.app, self.settings)
+            store = self.store = get_store(task.app, self.settings)  # (not kept if it raises)
+            before = mask_url(self.settings.store_url)
+            if outage.down and before != store.url:  # an outage counted before it was made
+                outage.claim_succeeded(before)
         return store
 
 

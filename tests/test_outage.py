@@ -61,6 +61,15 @@ class TestRefused:
         assert "refused the connection" in str(caught.value)
         assert "secret" not in str(caught.value)
 
+    def test_a_refused_postgres_connection_at_table_creation_says_refused(self):
+        """Making the store (which creates its tables) on a refused connection fails at once,
+        saying refused, instead of retrying it for 30 s as if two workers raced to CREATE."""
+        with pytest.raises(LeaseStoreError) as caught:
+            store_from_url(f"postgresql+psycopg://app:secret@127.0.0.1:{free_port()}/db")
+        assert caught.value.refused, caught.value
+        assert "refused the connection" in str(caught.value)
+        assert "secret" not in str(caught.value)
+
     def test_a_call_that_may_have_been_sent_stays_unknown(self, tmp_path):
         """The server stops under a held connection: that call's outcome is unknown (its
         retry's refusal must not hide that); the next call is refused."""
@@ -156,6 +165,31 @@ class TestBudget:
             self._deliver(task, {STORE_DOWN_HEADER: since, STORE_WAITS_HEADER: 9})
         assert caught.value.sig.options["countdown"] <= 0.5
         assert caught.value.sig.options["headers"][STORE_DOWN_HEADER] == since
+
+    def test_a_store_that_cannot_be_made_waits_on_the_same_budget(self, app):
+        """PostgreSQL refusing connections when the task first makes its store: the task is
+        sent again on the store-down budget (not failed), no half-made store is kept, and
+        past the budget it fails saying refused."""
+        app.conf.lease_store_url = f"postgresql+psycopg://app:secret@127.0.0.1:{free_port()}/db"
+
+        @lease_task(app=app, resource="r:{n}", store_down_max_wait=30)
+        def task(n):
+            raise AssertionError("no body runs without a lease")
+
+        with pytest.raises(Retry) as caught:
+            self._deliver(task, {})
+        assert isinstance(caught.value.exc, LeaseStoreError)
+        assert caught.value.exc.refused, caught.value.exc
+        assert caught.value.sig.options["headers"][STORE_WAITS_HEADER] == 1
+        assert task._compiled().store is None  # made again at the next attempt
+        assert list(outage.down) == [app.conf.lease_store_url.replace("secret", "***")]
+
+        with pytest.raises(LeaseStoreError) as failed:
+            self._deliver(task, {STORE_DOWN_HEADER: time.time() - 31, STORE_WAITS_HEADER: 9})
+        assert failed.value.refused
+        assert "refuses connections" in str(failed.value)
+        assert "lease_store_down_max_wait=30s" in str(failed.value)
+        assert "secret" not in str(failed.value)
 
     def test_the_setting_is_validated(self):
         assert LeaseSettings.resolve(None).store_down_max_wait == 600.0

@@ -146,7 +146,11 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             self.dialect, self.sql.now, self._paramstyle(), names, self.sql.claim_upsert
         )
         if create_tables:
-            self.create_tables()
+            try:
+                self.create_tables()
+            except BaseException:
+                self.close()  # (the engine this store made would keep its pool otherwise)
+                raise
 
     def _paramstyle(self) -> str:
         return "pyformat" if self.dialect == "postgresql" else "named"
@@ -160,8 +164,12 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         deadline = time.monotonic() + 30.0
         delay = 0.05
         while True:
+            # A server that cannot be reached fails now, within the connect timeout, saying
+            # whether it refused (the task's outage path waits for it); only the DDL is retried.
+            with self._translate("table creation"):
+                conn = self.engine.connect()
             try:
-                with self.engine.begin() as conn:
+                with conn, conn.begin():
                     if self.dialect == "postgresql":
                         conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
                     self.metadata.create_all(conn, checkfirst=True)

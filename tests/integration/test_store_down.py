@@ -16,7 +16,7 @@ import time
 import pytest
 
 from celery_lease import LeaseStoreError
-from tests.tooling.servers import RedisServer
+from tests.tooling.servers import RedisServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,3 +73,25 @@ def test_a_store_outage_fails_tasks_on_their_own_budget_with_few_warnings(
     finally:
         server.close()
     assert "answers again after" in worker.log()
+
+
+def test_postgres_down_when_the_store_is_first_made_fails_on_the_same_budget(
+    it_app, start_worker, events, queue
+):
+    """PostgreSQL refuses connections before the worker ever reached it: making the store
+    (which creates its tables) is an outage like a failed claim: FAILURE on
+    lease_store_down_max_wait, saying refused (it was 31 s and "keeps failing")."""
+    url = f"postgresql+psycopg://app:secret@127.0.0.1:{free_port()}/db"
+    env = {"CL_STORE": url, "CL_TABLE_PREFIX": "down_", "CL_STORE_DOWN_MAX_WAIT": str(MAX_WAIT)}
+    worker = start_worker(env, queue=queue, concurrency=1)
+    results = [it_app.exclusive.apply_async((n,), queue=queue) for n in range(2)]
+    for result in results:
+        with pytest.raises(LeaseStoreError) as caught:
+            result.get(timeout=120)
+        error = caught.value
+        assert error.refused, error
+        assert "refuses connections" in str(error), error
+        assert f"lease_store_down_max_wait={MAX_WAIT:g}s" in str(error), error
+        assert "secret" not in str(error), error
+    assert len(OUTAGE_WARNING.findall(worker.log())) == 1  # one per pool process
+    assert events.where(ev="enter") == []
