@@ -70,6 +70,13 @@ class TestRefused:
         assert "refused the connection" in str(caught.value)
         assert "secret" not in str(caught.value)
 
+    def test_a_refused_redis_cluster_at_first_contact_says_refused(self, refusing_url):
+        """The cluster client reads the slot map when the store is made: refused says so."""
+        with pytest.raises(LeaseStoreError) as caught:
+            store_from_url(refusing_url, cluster=True)
+        assert caught.value.refused, caught.value
+        assert "could not reach the Redis cluster" in str(caught.value)
+
     def test_a_call_that_may_have_been_sent_stays_unknown(self, tmp_path):
         """The server stops under a held connection: that call's outcome is unknown (its
         retry's refusal must not hide that); the next call is refused."""

@@ -336,7 +336,8 @@ class RedisLeaseStore(BaseLeaseStore):
             except _DRIVER_ERRORS as exc:  # a cluster client asks its nodes for the slot map
                 raise LeaseStoreError(
                     f"could not reach the Redis cluster at {mask_url(url)}: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {exc}",
+                    connection_refused(exc),  # (nothing was sent: only the slot map was asked)
                 ) from exc
             self.url = mask_url(url)
         elif isinstance(client, redis.cluster.RedisCluster):
