@@ -46,6 +46,7 @@ app.conf.update(
     lease_store_url=env.get(f"{PREFIX}REDIS_STORE", "") or "sqlite://",
     lease_key_prefix="celery_lease_hot:",
     lease_table_prefix="celery_lease_hot_",
+    lease_handoff=True,
 )
 
 RESOURCE = "hot/{run}"

@@ -57,6 +57,7 @@ class LeaseSettings:
     allow_direct_call: bool = False
     send_events: bool = True
     dedup: bool = True
+    handoff: bool = False
     retention: float = 7 * 86400.0
 
     def __repr__(self) -> str:
@@ -324,5 +325,7 @@ SETTINGS_DOC = {
     "dedup": "record each execution's identity (the identity template, the message's "
     "idempotency_key header, or the task id) so a duplicate delivery of a completed one "
     "returns its result instead of running (True)",
+    "handoff": "a busy task joins the resource's FIFO wait list and is woken at release "
+    "(Redis and memory stores; needs an identity and on_busy='retry') (False)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
 }

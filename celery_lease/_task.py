@@ -288,7 +288,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         owner = Owner.fresh(_owner_label(request))
         get_renewer().prepare(store)  # the renewal connection opens while the claim runs
         wait = None
-        if identity is not None and settings.on_busy == "retry" and not direct:
+        if settings.handoff and identity is not None and settings.on_busy == "retry" and not direct:
             wait = self._wake_payload(request, args, kwargs, settings)
         claim_started = time.monotonic()
         try:

@@ -19,7 +19,7 @@ from tests.tooling.servers import wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WAITERS = 5
-ENV = {"CL_TTL": "2.0", "CL_BACKOFF_BASE": "0.05", "CL_BACKOFF_CAP": "3.0"}
+ENV = {"CL_TTL": "2.0", "CL_BACKOFF_BASE": "0.05", "CL_BACKOFF_CAP": "3.0", "CL_HANDOFF": "1"}
 
 
 def _queue_up(task, events, queue, n, first_hold=1.5, hold=0.2):
