@@ -161,6 +161,30 @@ def measure(kind: str, url: str, live: int, expired_runs: int) -> dict[str, Any]
         store.close()
 
 
+def store_urls(
+    stack: contextlib.ExitStack[Any], stores: list[str], redis_url: str | None, pg_url: str | None
+) -> dict[str, str]:
+    """A URL per store kind: the one given, or a server started here (closed by ``stack``)."""
+    urls: dict[str, str] = {}
+    if "redis" in stores:
+        urls["redis"] = redis_url or ""
+        if not urls["redis"]:
+            from tests.tooling.servers import RedisServer
+
+            server = RedisServer(appendonly=True, appendfsync="everysec")
+            stack.callback(server.close)
+            urls["redis"] = server.start().url
+    if "postgres" in stores:
+        urls["postgres"] = pg_url or ""
+        if not urls["postgres"]:
+            from tests.tooling.servers import PostgresServer
+
+            pg = PostgresServer()
+            stack.callback(pg.close)
+            urls["postgres"] = pg.start().url
+    return urls
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", default="redis,postgres", help="comma list: redis,postgres")
@@ -174,23 +198,7 @@ def main() -> int:
     lives = [int(n) for n in args.live.split(",")]
     results = []
     with contextlib.ExitStack() as stack:
-        urls: dict[str, str] = {}
-        if "redis" in stores:
-            urls["redis"] = args.redis_url or ""
-            if not urls["redis"]:
-                from tests.tooling.servers import RedisServer
-
-                server = RedisServer(appendonly=True, appendfsync="everysec")
-                stack.callback(server.close)
-                urls["redis"] = server.start().url
-        if "postgres" in stores:
-            urls["postgres"] = args.postgres_url or ""
-            if not urls["postgres"]:
-                from tests.tooling.servers import PostgresServer
-
-                pg = PostgresServer()
-                stack.callback(pg.close)
-                urls["postgres"] = pg.start().url
+        urls = store_urls(stack, stores, args.redis_url, args.postgres_url)
         print(f"{'store':<9} {'live runs':>10} {'removed':>8} {'ms/1000 median':>15} {'p90':>7}")
         for kind in stores:
             for live in lives:

@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:  # tests.tooling.servers lives in the repository, 
 from celery import Celery  # noqa: E402
 
 import celery_lease  # noqa: E402 - ROOT first
+from benchmarks.bench_sweep import store_urls  # noqa: E402 - one way to get the servers
 from celery_lease import _sweeper  # noqa: E402
 from celery_lease.stores import RedisLeaseStore, SQLLeaseStore  # noqa: E402
 
@@ -155,23 +156,7 @@ def main() -> int:
     lives = [int(n) for n in args.live.split(",")]
     results = []
     with contextlib.ExitStack() as stack:
-        urls: dict[str, str] = {}
-        if "redis" in stores:
-            urls["redis"] = args.redis_url or ""
-            if not urls["redis"]:
-                from tests.tooling.servers import RedisServer
-
-                server = RedisServer(appendonly=True, appendfsync="everysec")
-                stack.callback(server.close)
-                urls["redis"] = server.start().url
-        if "postgres" in stores:
-            urls["postgres"] = args.postgres_url or ""
-            if not urls["postgres"]:
-                from tests.tooling.servers import PostgresServer
-
-                pg = PostgresServer()
-                stack.callback(pg.close)
-                urls["postgres"] = pg.start().url
+        urls = store_urls(stack, stores, args.redis_url, args.postgres_url)
         print(f"{'store':<9} {'live':>8} {'reclaimed':>9} {'run s':>7} {'ms/lease':>9}")
         for kind in stores:
             for live in lives:
