@@ -164,6 +164,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_allow_direct_call: bool | None = None
     lease_send_events: bool | None = None
     lease_dedup: bool | None = None
+    lease_handoff: bool | None = None
     lease_retention: float | None = None
 
     _lease_settings_cache: LeaseSettings | None = None

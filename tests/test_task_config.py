@@ -129,6 +129,29 @@ class TestTypos:
         assert task.apply().get().endswith("on billing")
 
 
+class TestEverySettingHasAPerTaskTwin:
+    def test_each_setting_is_a_class_attribute_and_a_keyword(self, app):
+        """Every lease_* setting overrides per task (the docs found handoff=True refused)."""
+        for name, value in (("handoff", True), ("dedup", False), ("retention", 10**7)):
+
+            @lease_task(app=app, resource="r", name=f"twin_{name}", **{name: value})
+            def task():
+                return current_lease().fence
+
+            assert getattr(task.lease_settings, name) == value
+
+            attrs = {"lease_resource": "r", f"lease_{name}": value}
+            own = type("Own", (LeaseTask,), attrs)  # what `class Own(LeaseTask): ...` runs
+
+            @lease_task(app=app, base=own, name=f"based_{name}")
+            def based():
+                return None
+
+            assert getattr(based.lease_settings, name) == value
+        fields = LeaseSettings.__dataclass_fields__
+        assert [n for n in fields if not hasattr(LeaseTask, f"lease_{n}")] == []
+
+
 class TestDefinitionTime:
     def test_a_template_naming_a_missing_parameter_fails_at_definition(self, app):
         """resource="acct-{acount_id}" over def f(account_id) is refused at once, with a
