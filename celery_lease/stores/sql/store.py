@@ -34,22 +34,19 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from .._errors import (
+from ..._errors import (
     IdentityDoneError,
     LeaseBusyError,
     LeaseConfigError,
     LeaseLostError,
     LeaseStoreError,
 )
-from .._interrupt import shielded
-from .._lease import Lease, LeaseInfo, Owner, from_micros
-from .._ledger import decode
-from .._names import validate_identifier, validate_resource
-from . import _sql_statements as stmts
-from ._connections import FreeList
-from ._sql_ledger import SQLLedgerMixin, recovered_from
-from ._sql_ledger_statements import LedgerStatements
-from .base import (
+from ..._interrupt import shielded
+from ..._lease import Lease, LeaseInfo, Owner, from_micros
+from ..._ledger import decode
+from ..._names import validate_identifier, validate_resource
+from .._connections import FreeList
+from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
     BaseLeaseStore,
@@ -60,7 +57,10 @@ from .base import (
     encode_cursor,
     monotonic,
 )
-from .urls import check_credentials, mask_url
+from ..urls import check_credentials, mask_url
+from . import statements as stmts
+from .ledger import SQLLedgerMixin, recovered_from
+from .ledger_statements import LedgerStatements
 
 __all__ = ["SCHEMA_VERSION", "SQLLeaseStore"]
 

@@ -1,6 +1,6 @@
 """The Redis lease store: one Lua script per operation, timed by the server's ``TIME``.
 
-See :mod:`celery_lease.stores._redis_scripts` for the key layout and the fence rule. Scripts are
+See :mod:`celery_lease.stores.redis.scripts` for the key layout and the fence rule. Scripts are
 registered per store instance; every key a script touches is passed in ``KEYS`` and every value
 in ``ARGV``. Driver errors become :class:`LeaseStoreError` in :meth:`RedisLeaseStore._run` only.
 """
@@ -16,20 +16,19 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import (
+from ..._errors import (
     IdentityDoneError,
     LeaseBusyError,
     LeaseConfigError,
     LeaseLostError,
     LeaseStoreError,
 )
-from .._interrupt import shielded
-from .._lease import Lease, LeaseInfo, Owner, from_micros
-from .._ledger import decode
-from .._names import show_value, validate_resource
-from . import _redis_scripts as lua
-from ._connections import FreeList
-from .base import (
+from ..._interrupt import shielded
+from ..._lease import Lease, LeaseInfo, Owner, from_micros
+from ..._ledger import decode
+from ..._names import show_value, validate_resource
+from .._connections import FreeList
+from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
     BaseLeaseStore,
@@ -41,7 +40,8 @@ from .base import (
     encode_cursor,
     monotonic,
 )
-from .urls import mask_url
+from ..urls import mask_url
+from . import scripts as lua
 
 try:
     import redis
@@ -236,7 +236,7 @@ class _Connections:
 log = logging.getLogger(__name__)
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
-# token, fence, acquired, expires, label; then maybe the recovery facts (see _redis_scripts)
+# token, fence, acquired, expires, label; then maybe the recovery facts (see scripts.py)
 _RECORD_RE = re.compile(r"([0-9a-f]+) (\d+) (\d+) (\d+) ([^\n]*)(?:\n.*)?", re.DOTALL)
 
 

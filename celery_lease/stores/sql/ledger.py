@@ -1,20 +1,20 @@
 """Task identities, the effect ledger and checkpoints for the SQL lease store (a mixin).
 
-Kept apart from ``sql.py`` so each module stays readable; it uses the store's connection
-plumbing (``_run``, ``_immediate``) and the statements of ``_sql_ledger_statements``.
+Kept apart from ``store.py`` so each module stays readable; it uses the store's connection
+plumbing (``_run``, ``_immediate``) and the statements of ``ledger_statements``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._errors import LeaseLostError, LeaseStoreError
-from .._lease import Lease, from_micros
-from .._names import validate_resource
-from .base import IdentityInfo
+from ..._errors import LeaseLostError, LeaseStoreError
+from ..._lease import Lease, from_micros
+from ..._names import validate_resource
+from ..base import IdentityInfo
 
 if TYPE_CHECKING:
-    from ._sql_ledger_statements import LedgerStatements
+    from .ledger_statements import LedgerStatements
 
 __all__ = ["ClaimRow", "SQLLedgerMixin"]
 
