@@ -1,0 +1,254 @@
+"""Code blocks of the docs pages, and what tests/test_docs.py does with each.
+
+Every ```python block is either **executed** or **type-checked**; nothing is skipped:
+
+* executed (the default): the blocks of one page run in order in one namespace (a later block
+  uses names from an earlier one), inside a pytest run of their own in a scratch directory, so
+  ``test_*`` functions and fixtures defined by a page run as tests, with
+  ``celery_lease.testing`` loaded. A block with ``title="proj.py"`` (a fence attribute, shown as
+  the file name on the site) is written to that file instead; a module is imported where the
+  block stands, ``conftest.py`` and ``test_*.py`` are picked up by pytest.
+* type-checked: a block that needs servers or a running worker is marked on the line before it
+  with ``<!-- test: typecheck, <why> -->`` and is checked by mypy against the public API (the
+  page's type-checked blocks, in order, as one module).
+
+``<!-- test: setup`` ... ``-->`` holds code the reader does not need to see (a stand-in for
+"your own code" such as ``open_logged_in_browser``, or a check that an example did what the
+text says): it runs at that point of the page, and goes before the type-checked blocks after it.
+
+Shell blocks and inline code that show ``celery -A proj lease ...`` or ``celery -A proj worker
+...`` are checked against the real command line's ``--help``; ``pip install`` lines against the
+extras in pyproject.toml; ``bash <file>`` and ``python -m <module>`` against the checkout.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LANGUAGES = {"python", "sh", "bash", "text", "json", ""}
+SHELL = {"sh", "bash", ""}
+FENCE = re.compile(r"^```(?P<lang>[\w+-]*)(?P<attrs>.*)$")
+TITLE = re.compile(r'title="(?P<title>[^"]+)"')
+MARKER = re.compile(r"^<!--\s*test:\s*(?P<what>[a-z]+)(?P<rest>.*)$")
+INLINE = re.compile(r"`(celery [^`\n]+)`")
+
+
+class DocsError(Exception):
+    """A page breaks the rules above (an unmarked or mis-marked block, an unknown fence)."""
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # line number (1-based) of the block's first line of code in the page
+    lang: str
+    code: str
+    mode: str  # exec | typecheck | setup | other
+    title: str | None = None
+    reason: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.name}:{self.line}"
+
+
+@dataclass
+class Command:
+    page: Path
+    line: int
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.name}:{self.line}"
+
+
+@dataclass
+class Page:
+    path: Path
+    blocks: list[Block] = field(default_factory=list)
+    commands: list[Command] = field(default_factory=list)
+
+    @property
+    def has_files(self) -> bool:
+        return any(b.title for b in self.blocks if b.mode == "exec")
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"\W", "_", self.path.stem.lower())
+
+    def of(self, *modes: str) -> list[Block]:
+        return [b for b in self.blocks if b.mode in modes]
+
+
+def parse(path: Path) -> Page:
+    """The page's blocks and commands; DocsError for anything the tests could not place."""
+    page = Page(path)
+    lines = path.read_text().splitlines()
+    marker: tuple[str, str, int] | None = None  # (what, rest, line) waiting for its fence
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        match = MARKER.match(line)
+        if match:
+            what, rest = match["what"], match["rest"]
+            if what == "setup":
+                end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->"), None)
+                if end is None or rest.strip():
+                    raise DocsError(
+                        f"{path.name}:{i + 1}: '<!-- test: setup' ends with '-->' alone"
+                    )
+                code = "\n".join(lines[i + 1 : end]) + "\n"
+                page.blocks.append(Block(path, i + 2, "python", code, "setup"))
+                i = end + 1
+                continue
+            if not rest.rstrip().endswith("-->"):
+                raise DocsError(f"{path.name}:{i + 1}: a test marker is one line ending in -->")
+            marker = (what, rest.rstrip()[:-3].strip(" ,:"), i + 1)
+            i += 1
+            continue
+        if line.lstrip().startswith("```") and not line.startswith("```"):
+            raise DocsError(f"{path.name}:{i + 1}: indented fence: the docs tests cannot see it")
+        fence = FENCE.match(line)
+        if not fence:
+            if marker is not None and line.strip():
+                raise DocsError(f"{path.name}:{marker[2]}: a test marker must precede a fence")
+            page.commands += _inline_commands(path, i + 1, line)
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
+        if end is None:
+            raise DocsError(f"{path.name}:{i + 1}: unclosed fence")
+        lang = fence["lang"]
+        if lang not in LANGUAGES:
+            raise DocsError(
+                f"{path.name}:{i + 1}: fence language {lang!r} is not one of {LANGUAGES}"
+            )
+        title = TITLE.search(fence["attrs"])
+        block = Block(
+            path,
+            i + 2,
+            lang,
+            "\n".join(lines[i + 1 : end]) + "\n",
+            "other",
+            title["title"] if title else None,
+        )
+        if lang == "python":
+            block.mode = "exec"
+            if marker is not None:
+                what, reason, _ = marker
+                if what == "typecheck" and reason:
+                    block.mode, block.reason = "typecheck", reason
+                elif what != "exec":
+                    raise DocsError(
+                        f"{path.name}:{i}: marker {what!r}: use '<!-- test: typecheck, <why> -->' "
+                        "(a reason is required) or none (the block is executed)"
+                    )
+        elif marker is not None:
+            raise DocsError(f"{path.name}:{i}: test markers apply to python blocks only")
+        if lang in SHELL:
+            for n, raw in enumerate(block.code.splitlines()):
+                text = raw.strip().removeprefix("$ ")
+                if text.startswith(("celery ", "pip install ", "bash ", "python -m ")):
+                    page.commands.append(Command(path, block.line + n, text.split("  #")[0]))
+        marker = None
+        page.blocks.append(block)
+        i = end + 1
+    return page
+
+
+def _inline_commands(path: Path, number: int, line: str) -> list[Command]:
+    return [Command(path, number, m) for m in INLINE.findall(line)]
+
+
+def command_options(text: str) -> tuple[list[str], list[str]]:
+    """``celery -A proj lease ls [--prefix P]`` -> (["lease", "ls"], ["--prefix"])."""
+    words = shlex.split(text.replace("[", " ").replace("]", " ").replace("|", " "))
+    words = [w for w in (words[3:] if words[1:2] == ["-A"] else words[1:]) if w != "..."]
+    path = [w for w in words[:2] if not w.startswith("-")]
+    options = [w.split("=")[0] for w in words if w.startswith("-") and w != "-"]
+    return path, options
+
+
+# The program a page's executed blocks become: each block compiled under the page's own file
+# name and line numbers, so a failure points at the line in the docs.
+PAGE_MODULE = '''\
+"""Executed blocks of {page} (generated by tests/test_docs.py)."""
+
+import importlib as _importlib
+import json as _json
+
+_BLOCKS = {blocks!r}
+_RAN = []
+for _kind, _where, _line, _code in _BLOCKS:
+    if _kind == "import":
+        _importlib.import_module(_code)
+    else:
+        exec(compile("\\n" * (_line - 1) + _code, _where, "exec"), globals())  # noqa: S102
+    _RAN.append(_line)
+with open({ran!r}, "w") as _out:
+    _json.dump(_RAN, _out)
+'''
+
+PYTEST_INI = """\
+[pytest]
+addopts = -p no:cacheprovider
+timeout = 60
+filterwarnings =
+    error
+    ignore::DeprecationWarning:kombu.*
+    ignore::DeprecationWarning:celery.*
+"""
+
+
+def write_page_program(page: Page, into: Path) -> list[int]:
+    """Write the page's executed blocks into a pytest directory; returns the lines that must run.
+
+    Pages without files of their own (titled blocks) may share a directory (and a process).
+    """
+    into.mkdir(parents=True, exist_ok=True)
+    steps: list[tuple[str, str, int, str]] = []
+    files: dict[str, str] = {}
+    for block in page.of("exec", "setup"):
+        if block.title:
+            if not block.title.endswith(".py"):
+                raise DocsError(f"{block.where}: a titled python block is a .py file")
+            if (into / block.title).exists() and block.title not in files:
+                raise DocsError(f"{block.where}: {block.title} exists (pages share a directory)")
+            files[block.title] = files.get(block.title, "") + block.code
+            name = block.title[:-3]
+            if name != "conftest" and not name.startswith("test_"):
+                steps.append(("import", str(page.path), block.line, name))
+            else:
+                steps.append(("file", str(page.path), block.line, "pass\n"))
+        else:
+            steps.append(("exec", str(page.path), block.line, block.code))
+    for name, code in files.items():
+        (into / name).write_text(code)
+    if not (into / "conftest.py").exists():
+        (into / "conftest.py").write_text('pytest_plugins = ["celery_lease.testing"]\n')
+    (into / "pytest.ini").write_text(PYTEST_INI)
+    ran = into / f"ran_{page.slug}.json"
+    (into / f"test_docs_page_{page.slug}.py").write_text(
+        PAGE_MODULE.format(page=page.path.name, blocks=steps, ran=str(ran))
+    )
+    return [line for _, _, line, _ in steps]
+
+
+def write_typecheck_module(page: Page, into: Path) -> dict[int, int]:
+    """Write the page's type-checked blocks, each after the setup code before it, as one module
+    (one namespace per page, as for executed blocks).
+
+    Returns the module's line -> the page's line, for mypy's messages.
+    """
+    lines: list[str] = []
+    where: dict[int, int] = {}
+    for part in page.of("setup", "typecheck"):
+        for n, text in enumerate(part.code.splitlines()):
+            lines.append(text)
+            where[len(lines)] = part.line + n
+    (into / f"{page.slug}.py").write_text("\n".join(lines) + "\n")
+    return where
