@@ -59,6 +59,22 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert "<!-- test:" not in (tmp_path / "site" / "index.html").read_text()
 
 
+def test_every_public_name_is_in_the_api_reference() -> None:
+    import celery_lease
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert "::: celery_lease.testing\n" in api  # the module page lists its own __all__
+    missing = [
+        name
+        for name in celery_lease.__all__
+        if name != "__version__"
+        and f"::: celery_lease.{name}\n" not in api
+        and f"::: celery_lease.stores.{name}\n" not in api
+        and f"`celery_lease.{name}`" not in api
+    ]
+    assert missing == []
+
+
 def test_every_page_is_in_the_navigation() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     missing = [p.name for p in PAGES if p.parent == ROOT / "docs" and p.name not in nav]
