@@ -342,6 +342,11 @@ class LeaseStore(Protocol):
         ...
 
 
+def lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
+    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over)."""
+    return lease.mark_lost(LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence))
+
+
 class BaseLeaseStore:
     """Argument checks and bookkeeping shared by the stores (not part of the protocol)."""
 
@@ -434,11 +439,7 @@ class BaseLeaseStore:
             raise LeaseConfigError(f"sweep limit must be 1..{MAX_SWEEP_LIMIT}, got {limit!r}")
         return limit
 
-    @staticmethod
-    def _lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
-        return lease.mark_lost(
-            LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence)
-        )
+    _lost = staticmethod(lost)
 
     def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
         result = self.renew_many([lease], ttl)[0]

@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 from celery_lease import LeaseStoreError, Owner
 from celery_lease.stores import _connections
 from celery_lease.stores._connections import MAX_IDLE, FreeList
+from celery_lease.stores.redis import RedisLeaseStore
 from tests.conftest import make_store
 from tests.tooling.servers import wait_for
 
@@ -171,14 +172,14 @@ def server_store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]
 
 def task_free_list(store: Any) -> FreeList[Any]:
     """The free list that serves a store's task calls."""
-    return store._connections.free if hasattr(store, "_connections") else store._free
+    return store._connections.free  # (both stores keep their connection layer there)
 
 
 class Server:
     """What the store's server sees: connections opened so far, and closing them."""
 
     def __init__(self, store: Any, request: pytest.FixtureRequest) -> None:
-        self.redis = hasattr(store, "_connections")
+        self.redis = isinstance(store, RedisLeaseStore)
         if self.redis:
             self.admin: Any = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
         else:
@@ -287,7 +288,7 @@ class TestStores:
         conns = [free.get() for _ in range(n)]
         ids = []
         for conn in conns:
-            if hasattr(store, "_connections"):
+            if isinstance(store, RedisLeaseStore):
                 conn.send_command("CLIENT", "ID")
                 ids.append(int(conn.read_response()))
             else:

@@ -2,14 +2,13 @@
 
 See :mod:`celery_lease.stores.redis.scripts` for the key layout and the fence rule. Scripts are
 registered per store instance; every key a script touches is passed in ``KEYS`` and every value
-in ``ARGV``. Driver errors become :class:`LeaseStoreError` in :meth:`RedisLeaseStore._run` only.
+in ``ARGV``. Driver errors become :class:`LeaseStoreError` in :class:`.connection.Translate` only
+(through :meth:`RedisLeaseStore._run`); :mod:`.connection` holds everything that touches redis-py.
 """
 
 from __future__ import annotations
 
 import builtins
-import hashlib
-import inspect
 import logging
 import re
 import zlib
@@ -23,11 +22,9 @@ from ..._errors import (
     LeaseLostError,
     LeaseStoreError,
 )
-from ..._interrupt import shielded
 from ..._lease import Lease, LeaseInfo, Owner, from_micros
 from ..._ledger import decode
 from ..._names import show_value, validate_resource
-from .._connections import FreeList
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -35,202 +32,20 @@ from ..base import (
     IdentityInfo,
     LeasePage,
     Waiter,
-    connection_refused,
     decode_cursor,
     encode_cursor,
     monotonic,
 )
 from ..urls import mask_url
 from . import scripts as lua
-
-try:
-    import redis
-    import redis.cluster
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "RedisLeaseStore needs the redis package: pip install 'celery-lease[redis]'"
-    ) from exc
-
-try:  # hiredis packs a command in C; redis-py's own packer walks the arguments in Python
-    from hiredis import pack_command as _pack_command
-except ImportError:  # pragma: no cover - depends on the install
-    _pack_command = None  # type: ignore[assignment]
+from .connection import Connections, Script, Translate, connect, describe, redis
 
 __all__ = ["RedisLeaseStore"]
-
-# A new connection sends nothing before its first command. Otherwise redis-py (8.x) opens each
-# one with HELLO, CLIENT MAINT_NOTIFICATIONS and two CLIENT SETINFO: four round trips that a
-# reconnect, or the renewer's first call, cannot spare on a slow link (at a round trip of a
-# quarter of the ttl they took the whole renewal window). RESP2 needs no HELLO and has no
-# maintenance notifications; the scripts' replies read the same in both protocols.
-_LEAN_CONNECT: dict[str, Any] = {"protocol": 2}
-_LEAN_CONNECT.update(
-    {"driver_info": None}
-    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
-    else {"lib_name": None, "lib_version": None}
-)
-
-# redis-py's cluster client raises RedisClusterException (not a RedisError) for, e.g., slots
-# no node serves.
-_DRIVER_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
-
-# The client pool's limit for a client the store creates: far above what the free lists keep.
-_MAX_CONNECTIONS = 10_000
 
 _KEY_KINDS = (
     "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp", "waits", "wpay",
     "waits_exp",
 )  # fmt: skip
-
-
-class _Translate:
-    """Context manager turning redis errors into LeaseStoreError (cheaper than a generator)."""
-
-    __slots__ = ("shield", "subject", "url", "what")
-
-    def __init__(self, url: str, what: str, subject: object) -> None:
-        self.url, self.what, self.subject = url, what, subject
-        self.shield = shielded()
-
-    def __enter__(self) -> None:
-        self.shield.__enter__()  # a lease interrupt waits until the call returns
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.shield.__exit__()
-        if exc is not None and isinstance(exc, _DRIVER_ERRORS):
-            what = self.what % self.subject if self.subject is not None else self.what
-            if connection_refused(exc):
-                raise LeaseStoreError(
-                    f"Redis lease store {self.url} refused the connection during {what} "
-                    f"({type(exc).__name__}: {exc}): nothing was sent; the server is down or "
-                    "not listening at that address",
-                    True,
-                ) from exc
-            raise LeaseStoreError(
-                f"Redis lease store {self.url} failed during {what}: "
-                f"{type(exc).__name__}: {exc}; the outcome is unknown"
-            ) from exc
-
-
-class _Script:
-    """A Lua script of one store: EVALSHA, loading it once when the server lacks it.
-
-    Sent on a connection of the store's free list (see :class:`_Connections`) rather than
-    through redis-py's client layer, which cost more CPU per call than the round trip itself.
-    """
-
-    __slots__ = ("connections", "sha", "source")
-
-    def __init__(self, connections: _Connections, source: str) -> None:
-        self.connections = connections
-        self.source = source
-        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-
-    def __call__(
-        self, keys: Sequence[str], args: Sequence[Any], via: _Connections | None = None
-    ) -> Any:
-        connections = self.connections if via is None else via
-        try:
-            return connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            # The server lost its script cache (a restart). SCRIPT LOAD + EVALSHA, not EVAL:
-            # the least-privilege ACL grants evalsha and script|load only.
-            self.load(connections)
-            return connections.execute("EVALSHA", self.sha, len(keys), *keys, *args)
-
-    def load(self, via: _Connections | None = None) -> None:
-        """Make sure the server has the script (one round trip)."""
-        self.sha = (self.connections if via is None else via).load_script(self.source)
-
-
-class _Connections:
-    """Connections of the client's pool, taken from a free list for each command.
-
-    Each command takes the most recently used idle connection (or opens one) and gives it back
-    when its reply is read, so a process holds no more connections than it has commands in flight
-    at its busiest (at most ``MAX_IDLE`` of them idle), under every pool, gevent included (see
-    :mod:`._connections`). A connection that fails or is interrupted mid-command is disconnected,
-    never reused with a reply pending; a connection error also closes the idle ones (the server
-    likely restarted) and is tried once more on a fresh connection (every store operation is
-    safe to repeat). For clients without a plain connection pool (Redis Cluster, sentinels),
-    commands go through the client, which takes a connection from its pool per command.
-    """
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        pool = getattr(client, "connection_pool", None)
-        self.pool = pool if isinstance(pool, redis.ConnectionPool) else None
-        self.free: FreeList[Any] = FreeList(self._open, self._close)
-        # hiredis encodes text as UTF-8: use it only when the client would do the same.
-        kwargs = self.pool.connection_kwargs if self.pool is not None else {}
-        encoding = str(kwargs.get("encoding", "utf-8")).lower().replace("_", "-")
-        self.pack = _pack_command if encoding in ("utf-8", "utf8") else None
-
-    def execute(self, *command: Any) -> Any:
-        if self.pool is None:
-            return self.client.execute_command(*command)
-        first: redis.exceptions.ConnectionError | None = None
-        free = self.free
-        for attempt in (1, 2):
-            try:
-                conn = free.get()
-            except redis.exceptions.ConnectionError:
-                if first is None or connection_refused(first):
-                    raise
-                # Refused now, but the first attempt may have reached the server: its error
-                # (the outcome is unknown) is the one to report, not "refused".
-                raise first from None
-            try:
-                if self.pack is not None:
-                    conn.send_packed_command((self.pack(command),), check_health=False)
-                else:
-                    conn.send_command(*command)
-                reply = conn.read_response()
-            except redis.exceptions.ResponseError:
-                free.put(conn)  # a reply was read: the connection is in a clean state
-                raise
-            except redis.exceptions.ConnectionError as exc:
-                free.discard(conn)
-                free.clear()
-                if attempt == 2:
-                    if (
-                        first is not None
-                        and connection_refused(exc)
-                        and not connection_refused(first)
-                    ):
-                        raise first from None  # (as above)
-                    raise
-                first = exc
-                continue
-            except BaseException:
-                free.discard(conn)
-                raise
-            free.put(conn)
-            return reply
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def load_script(self, source: str) -> str:
-        """Load a script (on every primary of a cluster); returns its SHA1."""
-        if self.pool is None:
-            sha = self.client.script_load(source)  # the client routes it to every primary
-        else:
-            sha = self.execute("SCRIPT", "LOAD", source)
-        return sha.decode() if isinstance(sha, bytes) else str(sha)
-
-    def _open(self) -> Any:
-        assert self.pool is not None
-        return self.pool.get_connection()
-
-    def _close(self, conn: Any) -> None:
-        assert self.pool is not None
-        conn.disconnect()
-        self.pool.release(conn)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.free.close()
 
 
 log = logging.getLogger(__name__)
@@ -301,52 +116,10 @@ class RedisLeaseStore(BaseLeaseStore):
         self._owns_client = client is None
         if client is None:
             assert url is not None
-            auth = {} if password is None else {"password": password}
-            try:
-                if cluster:
-                    client = redis.cluster.RedisCluster.from_url(
-                        url,
-                        socket_timeout=socket_timeout,
-                        socket_connect_timeout=socket_timeout,
-                        **auth,
-                    )
-                else:
-                    client = redis.Redis.from_url(
-                        url,
-                        socket_timeout=socket_timeout,
-                        socket_connect_timeout=socket_timeout,
-                        # One immediate reconnect covers a connection the server dropped; more
-                        # retries would stall renewal past the self-fence deadline.
-                        retry=Retry(NoBackoff(), 1),
-                        # The store's free lists bound its connections (idle and in flight);
-                        # the pool's own limit (100 by default) would only make a burst fail.
-                        max_connections=_MAX_CONNECTIONS,
-                        **_LEAN_CONNECT,
-                        **auth,
-                    )
-            except ValueError as exc:
-                # redis-py's message may quote a piece of a password that holds an unencoded
-                # '/', '?' or '#' (as the "port"): show it only for a URL without a password.
-                detail = str(exc) if mask_url(url) == url else "the URL does not parse"
-                raise LeaseConfigError(
-                    f"bad Redis URL {mask_url(url)}: {detail}; expected redis://host:port/db, "
-                    "rediss://... or unix:///path/to/socket (percent-encode '/', '?', '#', '%' "
-                    "in a password: urllib.parse.quote(password, safe=''))"
-                ) from None
-            except _DRIVER_ERRORS as exc:  # a cluster client asks its nodes for the slot map
-                raise LeaseStoreError(
-                    f"could not reach the Redis cluster at {mask_url(url)}: "
-                    f"{type(exc).__name__}: {exc}",
-                    connection_refused(exc),  # (nothing was sent: only the slot map was asked)
-                ) from exc
+            client = connect(url, cluster=cluster, socket_timeout=socket_timeout, password=password)
             self.url = mask_url(url)
-        elif isinstance(client, redis.cluster.RedisCluster):
-            node = client.get_default_node()  # type: ignore[no-untyped-call]
-            self.url = f"redis://{node.host}:{node.port}/0 (cluster)"
         else:
-            kwargs = client.connection_pool.connection_kwargs
-            where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
-            self.url = f"redis://{where}/{kwargs.get('db', 0)}"
+            self.url = describe(client)
         #: True for a Redis Cluster client: a call may only touch one shard's keys.
         self.cluster = isinstance(client, redis.cluster.RedisCluster)
         self.client: Any = client
@@ -354,12 +127,12 @@ class RedisLeaseStore(BaseLeaseStore):
         self.shards = shards
         self.require_noeviction = require_noeviction
         self.require_persistence = require_persistence
-        self._connections = _Connections(client)
+        self._connections = Connections(client)
         # The renewer's calls (renew_many, warm_up) keep their own connections: the one its
         # warm-up opened is still there for the first renewal, whatever the tasks took meanwhile.
-        self._renewer_connections = _Connections(client)
+        self._renewer_connections = Connections(client)
         scripts = {
-            name: _Script(self._connections, getattr(lua, name.upper()))
+            name: Script(self._connections, getattr(lua, name.upper()))
             for name in (
                 "acquire", "renew", "release", "release_outcome", "get", "force_release",
                 "list", "gate_admit", "effect_begin", "effect_done", "checkpoint",
@@ -399,12 +172,12 @@ class RedisLeaseStore(BaseLeaseStore):
         return [kinds[name] for name in names]
 
     # -- plumbing --------------------------------------------------------------------------
-    def _run(self, what: str, subject: object = None) -> _Translate:
+    def _run(self, what: str, subject: object = None) -> Translate:
         """Translate driver errors: the single place where redis exceptions are caught.
 
         ``what % subject`` names the operation in the error (formatted only on failure).
         """
-        return _Translate(self.url, what, subject)
+        return Translate(self.url, what, subject)
 
     def _note_epoch(self, shard: int, epoch: Any) -> None:
         epoch = _text(epoch)
@@ -537,7 +310,7 @@ class RedisLeaseStore(BaseLeaseStore):
         leases: Sequence[Lease],
         ttls: Sequence[float],
         what: str,
-        via: _Connections | None = None,
+        via: Connections | None = None,
     ) -> tuple[float, list[Any]]:
         """One call for all leases; on a cluster, one call per shard (a slot each).
 

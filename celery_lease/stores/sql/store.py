@@ -16,23 +16,10 @@ from __future__ import annotations
 
 import builtins
 import logging
-import math
-import os
-import random
-import threading
-import time
-import zlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy import event
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.engine import Engine
 
 from ..._errors import (
     IdentityDoneError,
@@ -41,38 +28,36 @@ from ..._errors import (
     LeaseLostError,
     LeaseStoreError,
 )
-from ..._interrupt import shielded
 from ..._lease import Lease, LeaseInfo, Owner, from_micros
 from ..._ledger import decode
 from ..._names import validate_identifier, validate_resource
-from .._connections import FreeList
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
     BaseLeaseStore,
+    IdentityInfo,
     LeasePage,
     Waiter,
-    connection_refused,
     decode_cursor,
     encode_cursor,
     monotonic,
 )
-from ..urls import check_credentials, mask_url
+from ..urls import mask_url
+from . import ledger, schema
 from . import statements as stmts
-from .ledger import SQLLedgerMixin, recovered_from
+from .connection import Connections, create_engine, fetch, one
 from .ledger_statements import LedgerStatements
+from .rows import NO_ROW, ClaimRow, lease_info, recovered_from, why_lost
+from .schema import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION", "SQLLeaseStore"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-SCHEMA_VERSION = 1
-_NO_ROW = (None, None, None, None, None, None)  # a missing lease row, shaped like ``state``
 _SQLITE_MIN = (3, 35, 0)  # RETURNING
 
 
-class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
+class SQLLeaseStore(BaseLeaseStore):
     """Leases in a SQL table (PostgreSQL through psycopg 3, or SQLite).
 
     Args:
@@ -108,7 +93,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         self._owns_engine = engine is None
         if engine is None:
             assert url is not None
-            engine = _create_engine(url, statement_timeout, engine_options or {})
+            engine = create_engine(url, statement_timeout, engine_options or {})
         self.engine = engine
         self.url = mask_url(engine.url.render_as_string(hide_password=True))
         self.dialect = engine.dialect.name
@@ -121,7 +106,6 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 f"SQLLeaseStore needs the psycopg 3 driver (postgresql+psycopg://), got "
                 f"{engine.dialect.driver!r} in {self.url}"
             )
-        self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         if self.dialect == "sqlite":
             version = engine.dialect.loaded_dbapi.sqlite_version_info
             if version < _SQLITE_MIN:
@@ -129,13 +113,8 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                     f"SQLite {version} is too old for SQLLeaseStore: 3.35 or newer is needed "
                     "(for RETURNING); upgrade Python or use PostgreSQL/Redis"
                 )
-        # An in-memory SQLite database lives in one connection that all threads share.
-        self._serial = threading.Lock() if isinstance(engine.pool, StaticPool) else None
-        self._free: FreeList[_Connection] = FreeList(self._connect, _Connection.close)
-        # The renewer's calls (renew_many, warm_up) keep their own connections: the one its
-        # warm-up opened is still there for the first renewal, whatever the tasks took meanwhile.
-        self._renewer_free: FreeList[_Connection] = FreeList(self._connect, _Connection.close)
-        self.metadata, self.tables = _tables(table_prefix)
+        self._connections = Connections(engine, self.url)
+        self.metadata, self.tables = schema.tables(table_prefix)
         self.leases_table, self.meta_table = self.tables["leases"], self.tables["meta"]
         quote = engine.dialect.identifier_preparer.quote
         names = {kind: quote(table.name) for kind, table in self.tables.items()}
@@ -155,148 +134,9 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
     def _paramstyle(self) -> str:
         return "pyformat" if self.dialect == "postgresql" else "named"
 
-    # -- schema ----------------------------------------------------------------------------
     def create_tables(self) -> None:
         """Create the tables and the schema version row if missing; check the version."""
-        # Many workers may start at once on a new prefix: on PostgreSQL the DDL runs under a
-        # transaction-scoped advisory lock; anywhere, a clash is retried with jittered backoff.
-        lock_key = zlib.crc32(f"celery_lease schema {self.leases_table.name}".encode())
-        deadline = time.monotonic() + 30.0
-        delay = 0.05
-        while True:
-            # A server that cannot be reached fails now, within the connect timeout, saying
-            # whether it refused (the task's outage path waits for it); only the DDL is retried.
-            with self._translate("table creation"):
-                conn = self.engine.connect()
-            try:
-                with conn, conn.begin():
-                    if self.dialect == "postgresql":
-                        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
-                    self.metadata.create_all(conn, checkfirst=True)
-                break
-            except SQLAlchemyError as exc:  # another process created them at the same time
-                if time.monotonic() > deadline:
-                    raise LeaseStoreError(
-                        f"could not create the lease tables in {self.url}: {exc}"
-                    ) from exc
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 1.0)
-        meta = self.meta_table
-        with self._translate("schema check"), self.engine.begin() as conn:
-            found = conn.execute(
-                sa.select(meta.c.value).where(meta.c.key == "schema_version")
-            ).scalar()
-            if found is None:
-                insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
-                conn.execute(
-                    insert(meta)
-                    .values(key="schema_version", value=str(SCHEMA_VERSION))
-                    .on_conflict_do_nothing()
-                )
-                found = str(SCHEMA_VERSION)
-        if int(found) > SCHEMA_VERSION:
-            raise LeaseConfigError(
-                f"the lease tables in {self.url} have schema version {found}, newer than this "
-                f"celery_lease ({SCHEMA_VERSION}); upgrade celery_lease"
-            )
-
-    # -- plumbing --------------------------------------------------------------------------
-    @contextmanager
-    def _translate(self, what: str, first_attempt: bool = True) -> Iterator[None]:
-        try:
-            yield
-        except (SQLAlchemyError, self._dbapi_error) as exc:
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            # A refusal on a retry follows a dropped connection that may have run the statement.
-            if first_attempt and connection_refused(exc):
-                raise LeaseStoreError(
-                    f"SQL lease store {self.url} refused the connection during {what} "
-                    f"({type(exc).__name__}: {first_line}): nothing was sent; the server is "
-                    "down or not listening at that address",
-                    True,
-                ) from exc
-            raise LeaseStoreError(
-                f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
-                f"{first_line}; the outcome is unknown"
-            ) from exc
-
-    def _run(
-        self, what: str, work: Callable[[Any], T], free: FreeList[_Connection] | None = None
-    ) -> T:
-        """Run ``work(cursor)`` on a connection of the store: the one place driver errors are
-        caught.
-
-        The connection comes from a free list (the store's, or the renewer's ``free``) and goes
-        back when the work ends (taking one from the SQLAlchemy pool per call cost more than
-        the statement itself; keeping one per thread left one per task behind under gevent).
-        A connection interrupted mid-call is closed, never reused. A broken connection (the
-        server restarted) is dropped with the idle ones and the whole pool, and the work is
-        tried once more on a fresh connection; every operation is safe to repeat (a claim
-        repeated with the same owner token returns the same lease).
-        """
-        if free is None:
-            free = self._free
-        for attempt in (1, 2):
-            with shielded(), self._translate(what, attempt == 1):
-                if self._serial is not None:
-                    self._serial.acquire()
-                try:
-                    held = free.get()
-                    try:
-                        result = work(held.cursor)
-                    except BaseException as exc:
-                        if not isinstance(exc, self._dbapi_error):
-                            # Interrupted mid-call (a signal, a soft time limit): the
-                            # connection may be mid-command, so it never serves again.
-                            held.invalidate(exc)
-                            free.discard(held)
-                            raise
-                        disconnected = self.engine.dialect.is_disconnect(
-                            exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
-                            held.conn.dbapi_connection,
-                            None,
-                        )
-                        if self.dialect == "sqlite":
-                            _rollback_quietly(held.conn)
-                        if not disconnected:
-                            free.put(held)  # the statement failed; the connection is fine
-                            raise
-                        held.invalidate(exc)
-                        free.discard(held)
-                        free.clear()
-                        self.engine.dispose()
-                        if attempt == 1:
-                            continue
-                        raise
-                    free.put(held)
-                    return result
-                finally:
-                    if self._serial is not None:
-                        self._serial.release()
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _connect(self) -> _Connection:
-        return _Connection(
-            self.engine.raw_connection(),
-            # Closed for real when it is discarded or the store closes: put back into the pool,
-            # it could land in one that a reconnect disposed meanwhile, and leak. (Not the one
-            # shared connection of an in-memory SQLite database.)
-            detach=not isinstance(self.engine.pool, StaticPool),
-        )
-
-    @contextmanager
-    def _immediate(self, cursor: Any) -> Iterator[None]:
-        """A SQLite write transaction that takes the write lock up front (no-op on PG)."""
-        if self.dialect != "sqlite":
-            yield
-            return
-        cursor.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            _rollback_quietly(cursor.connection)
-            raise
-        cursor.execute("COMMIT")
+        schema.create_tables(self._connections, self.metadata, self.tables)
 
     # -- operations ------------------------------------------------------------------------
     def acquire(
@@ -321,7 +161,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         claim = self._claim if identity is None else self._claim_identity
         for _ in range(3):
             sent = monotonic()
-            row = self._run(f"acquire of {resource!r}", lambda c: claim(c, params))
+            row = self._connections.run(f"acquire of {resource!r}", lambda c: claim(c, params))
             if row is None:  # a racing first claim is not visible to our snapshot yet: ask again
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
@@ -401,9 +241,9 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         """The claim without identity, answered in the shape of a ClaimRow."""
         if self.dialect == "postgresql":
             cursor.execute(self.sql.acquire, params)
-            row = _one(cursor)
+            row = one(cursor)
         else:
-            with self._immediate(cursor):
+            with self._connections.immediate(cursor):
                 cursor.execute(self.sql.acquire, params)
                 row = cursor.fetchone()
                 if row is not None:
@@ -412,7 +252,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                            None, None)  # fmt: skip
                 else:
                     cursor.execute(self.sql.holder, params)
-                    row = _one(cursor)
+                    row = one(cursor)
         if row is None:
             return None
         ok, fence, acquired, expires, label, prev_fence, token, now, h_prev_label, h_prev_fence = (
@@ -432,7 +272,9 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             return []
         ttls = [self._renew_ttl(lease, ttl) for lease in leases]
         sent = monotonic()
-        rows = self._run("renewal", lambda c: self._renew_rows(c, leases, ttls), self._renewer_free)
+        rows = self._connections.run(
+            "renewal", lambda c: self._renew_rows(c, leases, ttls), self._connections.renewer_free
+        )
         results: list[LeaseLostError | None] = []
         for lease, lease_ttl, row in zip(leases, ttls, rows, strict=True):
             new_expires, *state = row
@@ -440,7 +282,7 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                 lease.renewed(sent, from_micros(new_expires), lease_ttl)
                 results.append(None)
             else:
-                results.append(self._why_lost(lease, *state))
+                results.append(why_lost(lease, *state))
         return results
 
     def _renew_rows(
@@ -456,48 +298,29 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             by_index = {row[0]: tuple(row[1:]) for row in cursor.fetchall()}
             return [by_index[i] for i in range(len(requests))]
         rows: list[tuple[Any, ...]] = []
-        with self._immediate(cursor):
+        with self._connections.immediate(cursor):
             for resource, token, fence, ttl_us in requests:
                 params = {"r": resource, "t": token, "f": fence, "ttl": ttl_us}
                 cursor.execute(self.sql.renew_one, params)
                 renewed = cursor.fetchone()
                 if renewed is not None:
-                    rows.append((renewed[0], *_NO_ROW))
+                    rows.append((renewed[0], *NO_ROW))
                     continue
                 cursor.execute(self.sql.state, params)
-                rows.append((None, *(cursor.fetchone() or _NO_ROW)))
+                rows.append((None, *(cursor.fetchone() or NO_ROW)))
         return rows
-
-    def _why_lost(
-        self,
-        lease: Lease,
-        token: Any,
-        label: Any,
-        fence: Any,
-        expires: Any,
-        now: Any,
-        forced: Any = None,
-    ) -> LeaseLostError:
-        """The loss, from the lease row's state (``forced``: its prev_fence, see ``state``)."""
-        if token is None:
-            if forced is not None and forced == lease.fence:
-                return self._lost(lease, "force_released", None, None)
-            return self._lost(lease, "released", None, None)
-        if token != lease.owner.token or fence != lease.fence:
-            return self._lost(lease, "taken_over", label, fence)
-        return self._lost(lease, "expired", None, None)
 
     def verify(self, lease: Lease) -> None:
         self._renew_ttl(lease, None)
         params = {"r": lease.resource}
-        row = self._run(
+        row = self._connections.run(
             f"verify of {lease.resource!r}",
-            lambda c: _fetch(c, self.sql.state, params),
+            lambda c: fetch(c, self.sql.state, params),
         )
-        token, label, fence, expires, now, forced = row or _NO_ROW
+        token, label, fence, expires, now, forced = row or NO_ROW
         if token == lease.owner.token and fence == lease.fence and expires > now:
             return
-        raise self._why_lost(lease, token, label, fence, expires, now, forced)
+        raise why_lost(lease, token, label, fence, expires, now, forced)
 
     def release(
         self, lease: Lease, *, outcome: str | None = None, result: str | None = None
@@ -508,7 +331,10 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
 
         def work(cursor: Any) -> int:
             if outcome is not None:
-                return self._release_outcome(
+                return ledger.release_outcome(
+                    self._connections,
+                    self.sql,
+                    self.ledger_sql,
                     cursor,
                     {
                         **params,
@@ -516,11 +342,48 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
                         "o": outcome,
                         "res": result if outcome == "done" else None,
                     },
+                    self._retention_us,
                 )
             cursor.execute(self.sql.release, params)
             return int(cursor.rowcount)
 
-        return self._run(f"release of {lease.resource!r}", work) == 1
+        return self._connections.run(f"release of {lease.resource!r}", work) == 1
+
+    def _claim_identity(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
+        return ledger.claim_identity(
+            self._connections, self.sql, self.ledger_sql, cursor, params, self._retention_us
+        )
+
+    @property
+    def _retention_us(self) -> int:
+        return round(self.retention * 1e6)
+
+    # -- identities, the ledger, checkpoints (see .ledger) ---------------------------------
+    def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
+        identity, key = self._ledger_args(lease, key)
+        return ledger.effect_begin(
+            self._connections, self.ledger_sql, lease, identity, key, self._retention_us
+        )
+
+    def effect_done(self, lease: Lease, key: str, receipt: str) -> bool:
+        identity, key = self._ledger_args(lease, key)
+        return ledger.effect_done(
+            self._connections, self.ledger_sql, lease, identity, key, receipt, self._retention_us
+        )
+
+    def checkpoint(self, lease: Lease, data: str) -> None:
+        identity, _ = self._ledger_args(lease, "checkpoint")
+        ledger.checkpoint(
+            self._connections, self.ledger_sql, lease, identity, data, self._retention_us
+        )
+
+    def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
+        validate_resource(resource)
+        ident = self._identity_args(identity) or ""
+        return ledger.identity_get(self._connections, self.ledger_sql, resource, ident)
+
+    def sweep_expired(self, *, limit: int = 1000) -> int:
+        return ledger.sweep(self._connections, self.ledger_sql, self._sweep_args(limit))
 
     def waiters(self, resource: str) -> builtins.list[Waiter]:
         """No wait list in SQL stores yet: always empty."""
@@ -530,8 +393,10 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)
         params = {"r": resource}
-        row = self._run(f"get of {resource!r}", lambda c: _fetch(c, self.sql.get, params))
-        return None if row is None else _info(resource, *row)
+        row = self._connections.run(
+            f"get of {resource!r}", lambda c: fetch(c, self.sql.get, params)
+        )
+        return None if row is None else lease_info(resource, *row)
 
     def list(
         self,
@@ -557,8 +422,8 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
             cur.execute(self.sql.list, query)
             return list(cur.fetchall())
 
-        rows = self._run("list", work)
-        infos = [_info(*row) for row in rows[:limit]]
+        rows = self._connections.run("list", work)
+        infos = [lease_info(*row) for row in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:
             last = rows[limit - 1]
@@ -572,17 +437,17 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         def work(cursor: Any) -> tuple[Any, ...] | None:
             if self.dialect == "postgresql":
                 cursor.execute(self.sql.force_release, params)
-                return _one(cursor)
-            with self._immediate(cursor):
+                return one(cursor)
+            with self._connections.immediate(cursor):
                 cursor.execute(self.sql.get, params)
                 row = cursor.fetchone()
                 cursor.execute(self.sql.force_release, params)
                 return None if row is None else tuple(row)
 
-        row = self._run(f"force_release of {resource!r}", work)
+        row = self._connections.run(f"force_release of {resource!r}", work)
         if row is None or row[0] is None:
             return None
-        info = _info(resource, *row)
+        info = lease_info(resource, *row)
         log.warning(
             "force-released lease on %r held by %r with fence %d",
             resource,
@@ -598,16 +463,16 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
 
         def work(cursor: Any) -> tuple[Any, ...] | None:
             if self.dialect == "postgresql":
-                return _fetch(cursor, self.sql.gate_admit, params)
-            with self._immediate(cursor):
-                row = _fetch(cursor, self.sql.gate_admit, params)
+                return fetch(cursor, self.sql.gate_admit, params)
+            with self._connections.immediate(cursor):
+                row = fetch(cursor, self.sql.gate_admit, params)
                 if row is not None:
                     return (1, row[0])
-                highest = _fetch(cursor, self.sql.gate_read, params)
+                highest = fetch(cursor, self.sql.gate_read, params)
                 return None if highest is None else (0, highest[0])
 
         for _ in range(3):
-            row = self._run(f"fence gate admit of {key!r}", work)
+            row = self._connections.run(f"fence gate admit of {key!r}", work)
             # None, or a refusal citing a fence our snapshot saw as lower than ours: a racing
             # admit committed a higher fence after our snapshot; ask again to report it.
             if row is not None and (row[0] or int(row[1]) > int(fence)):
@@ -616,13 +481,13 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
 
     def gate_highest(self, key: str) -> int | None:
         params = {"k": validate_resource(key)}
-        row = self._run(
-            f"fence gate read of {key!r}", lambda c: _fetch(c, self.sql.gate_read, params)
+        row = self._connections.run(
+            f"fence gate read of {key!r}", lambda c: fetch(c, self.sql.gate_read, params)
         )
         return None if row is None else int(row[0])
 
     def check_health(self) -> builtins.list[str]:
-        self._run("health check", lambda c: _fetch(c, "SELECT 1", {}))
+        self._connections.run("health check", lambda c: fetch(c, "SELECT 1", {}))
         warnings = []
         if self.dialect == "sqlite":
             warnings.append(
@@ -632,218 +497,12 @@ class SQLLeaseStore(SQLLedgerMixin, BaseLeaseStore):
         return warnings
 
     def warm_up(self) -> None:
-        self._run("warm-up", lambda cursor: None, self._renewer_free)
+        self._connections.run("warm-up", lambda cursor: None, self._connections.renewer_free)
 
     def reset_after_fork(self) -> None:
-        """Forget connections inherited from the parent (SQLAlchemy's fork recipe); the free
-        lists forget theirs by themselves."""
-        if self._serial is None:
-            self.engine.dispose(close=False)
+        self._connections.reset_after_fork()
 
     def close(self) -> None:
-        self._free.close()
-        self._renewer_free.close()
+        self._connections.close()
         if self._owns_engine:
             self.engine.dispose()
-
-
-class _Connection:
-    """A connection checked out of the engine's pool, with its cursor; closed when dropped."""
-
-    __slots__ = ("conn", "cursor", "detach", "pid")
-
-    def __init__(self, conn: Any, *, detach: bool = True) -> None:
-        self.conn = conn
-        self.cursor = conn.cursor()
-        self.pid = os.getpid()
-        self.detach = detach
-
-    def invalidate(self, exc: BaseException) -> None:
-        """Mark the connection unusable (its pool record will not reuse it)."""
-        if self.pid == os.getpid():
-            self.conn.invalidate(exc)
-
-    def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
-        # (_getpid is bound early: at interpreter exit module globals may already be gone)
-        if self.pid != _getpid():
-            return  # a parent's connection: never touch it from a forked child
-        self.pid = -1
-        try:
-            self.cursor.close()
-            if self.detach:
-                self.conn.detach()  # so that close() closes the DBAPI connection itself
-            self.conn.close()
-        except Exception:  # closing a broken connection may fail; it is gone anyway
-            log.debug("closing a lease store connection failed", exc_info=True)
-
-    def __del__(self) -> None:  # lost without being closed (e.g. an interrupt at the wrong time)
-        try:  # (not contextlib.suppress: it may already be gone at interpreter exit)
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing sensible to do at interpreter exit
-            return
-
-
-def _create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -> Engine:
-    check_credentials(url)
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise LeaseConfigError(
-            f"malformed SQL lease store URL {mask_url(url)!r}; expected "
-            "postgresql+psycopg://user:password@host:port/dbname or sqlite:///path/to/file.db"
-        ) from None
-    kwargs: dict[str, Any] = {}
-    if parsed.get_backend_name() == "sqlite":
-        if parsed.database in (None, "", ":memory:"):
-            kwargs["poolclass"] = StaticPool
-        else:
-            kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
-        kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30.0}
-    elif parsed.get_backend_name() == "postgresql":
-        ms = int(statement_timeout * 1000)
-        seconds = max(1, math.ceil(statement_timeout))
-        kwargs["connect_args"] = {
-            "options": f"-c statement_timeout={ms} -c lock_timeout={ms} "
-            f"-c idle_in_transaction_session_timeout={ms * 2}",
-            # The server enforces the timeouts above only while it runs and can reach us. A
-            # connection to a host that died or a network that drops packets would otherwise
-            # block its thread until TCP gives up (about 15 minutes): bound the connect, the
-            # wait for unacknowledged data, and probe idle connections.
-            "connect_timeout": max(2, seconds),  # (libpq reads 1 as 2)
-            "tcp_user_timeout": ms,
-            "keepalives": 1,
-            "keepalives_idle": seconds,
-            "keepalives_interval": max(1, seconds // 3),
-            "keepalives_count": 3,
-        }
-        # Autocommit connections: nothing to roll back when a connection goes back to the pool.
-        kwargs["pool_reset_on_return"] = None
-        kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
-    kwargs.update(options)
-    try:
-        engine = sa.create_engine(parsed, **kwargs)
-    except ImportError as exc:
-        if parsed.get_backend_name() == "postgresql":  # the driver is an optional extra
-            raise LeaseConfigError(
-                f"SQLLeaseStore needs the psycopg package for PostgreSQL ({mask_url(url)}): "
-                f"pip install 'celery-lease[postgres]' ({exc})"
-            ) from None
-        raise LeaseConfigError(f"cannot use SQL lease store URL {mask_url(url)!r}: {exc}") from None
-    except ArgumentError as exc:
-        raise LeaseConfigError(f"cannot use SQL lease store URL {mask_url(url)!r}: {exc}") from None
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        if engine.dialect.name == "sqlite":
-            dbapi_connection.isolation_level = None  # we issue BEGIN IMMEDIATE ourselves
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=FULL")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.close()
-        else:
-            dbapi_connection.autocommit = True
-
-    return engine
-
-
-def _tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
-    metadata = sa.MetaData()
-    # "C" collation on PostgreSQL: byte order, the same order list() cursors assume.
-    name = sa.String(200).with_variant(sa.String(200, collation="C"), "postgresql")
-    tables = {
-        "leases": sa.Table(
-            f"{prefix}leases",
-            metadata,
-            sa.Column("resource", name, primary_key=True),
-            sa.Column("owner_token", sa.String(64), nullable=True),
-            sa.Column("owner_label", sa.String(200), nullable=False),
-            sa.Column("fence", sa.BigInteger, nullable=False),
-            sa.Column("acquired_us", sa.BigInteger, nullable=False),
-            sa.Column("expires_us", sa.BigInteger, nullable=True),
-            sa.Column("prev_label", sa.String(200), nullable=True),
-            sa.Column("prev_fence", sa.BigInteger, nullable=True),
-            sa.Index(f"{prefix}leases_expiry", "expires_us", "resource"),
-            # Room on each page for in-place (HOT) updates of the frequently rewritten rows.
-            postgresql_with={"fillfactor": 70},
-        ),
-        "meta": sa.Table(
-            f"{prefix}meta",
-            metadata,
-            sa.Column("key", sa.String(64), primary_key=True),
-            sa.Column("value", sa.String(200), nullable=False),
-        ),
-        "gate": sa.Table(
-            f"{prefix}fence_gate",
-            metadata,
-            sa.Column("key", sa.String(200), primary_key=True),
-            sa.Column("fence", sa.BigInteger, nullable=False),
-        ),
-        "ids": sa.Table(
-            f"{prefix}identities",
-            metadata,
-            sa.Column("resource", name, primary_key=True),
-            sa.Column("identity", sa.String(200), primary_key=True),
-            sa.Column("state", sa.String(16), nullable=False),
-            sa.Column("fence", sa.BigInteger, nullable=False),
-            sa.Column("owner_token", sa.String(64), nullable=False),
-            sa.Column("owner_label", sa.String(200), nullable=False),
-            sa.Column("result", sa.Text, nullable=True),
-            sa.Column("expires_us", sa.BigInteger, nullable=False),
-            sa.Index(f"{prefix}identities_expiry", "expires_us"),
-        ),
-        "ledger": sa.Table(
-            f"{prefix}ledger",
-            metadata,
-            sa.Column("resource", name, primary_key=True),
-            sa.Column("identity", sa.String(200), primary_key=True),
-            sa.Column("key", sa.String(200), primary_key=True),
-            sa.Column("state", sa.String(16), nullable=False),
-            sa.Column("fence", sa.BigInteger, nullable=False),
-            sa.Column("owner_token", sa.String(64), nullable=False),
-            sa.Column("receipt", sa.Text, nullable=True),
-            sa.Column("expires_us", sa.BigInteger, nullable=False),
-            sa.Index(f"{prefix}ledger_expiry", "expires_us"),
-        ),
-        "ckpt": sa.Table(
-            f"{prefix}checkpoints",
-            metadata,
-            sa.Column("resource", name, primary_key=True),
-            sa.Column("identity", sa.String(200), primary_key=True),
-            sa.Column("fence", sa.BigInteger, nullable=False),
-            sa.Column("data", sa.Text, nullable=False),
-            sa.Column("expires_us", sa.BigInteger, nullable=False),
-            sa.Index(f"{prefix}checkpoints_expiry", "expires_us"),
-        ),
-    }
-    return metadata, tables
-
-
-def _one(cursor: Any) -> tuple[Any, ...] | None:
-    row = cursor.fetchone()
-    return None if row is None else tuple(row)
-
-
-def _fetch(cursor: Any, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-    cursor.execute(sql, params)
-    return _one(cursor)
-
-
-def _info(
-    resource: str, label: str, fence: int, acquired: int, expires: int, now: int
-) -> LeaseInfo:
-    return LeaseInfo(
-        resource=resource,
-        owner_label=label,
-        fence=int(fence),
-        acquired_at=from_micros(acquired),
-        expires_at=from_micros(expires),
-        expires_in=(expires - now) / 1e6,
-    )
-
-
-def _rollback_quietly(conn: Any) -> None:
-    try:
-        conn.rollback()
-    except Exception:  # the connection is being discarded anyway
-        log.debug("rollback after a failed SQLite statement failed", exc_info=True)

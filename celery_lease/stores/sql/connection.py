@@ -1,0 +1,280 @@
+"""The SQL store's connection layer: connections, the engine, and driver errors.
+
+Everything that touches the DBAPI lives here: the engine a URL names (timeouts, keepalives,
+SQLite pragmas), the free lists of checked-out connections (one for the tasks, one for the
+renewer), and :meth:`Connections.run`, the one place where a driver exception becomes a
+:class:`LeaseStoreError`. The store and the ledger functions hand it ``work(cursor)`` callables.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from ..._errors import LeaseConfigError, LeaseStoreError
+from ..._interrupt import shielded
+from .._connections import FreeList
+from ..base import connection_refused
+from ..urls import check_credentials, mask_url
+
+__all__ = ["Connection", "Connections", "create_engine", "fetch", "one", "rollback_quietly"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Connections:
+    """The connections of one SQL store, and the translation of its driver errors.
+
+    Args:
+        engine: the store's engine (its pool hands out the DBAPI connections).
+        url: the store's URL, password masked, for error messages.
+    """
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+        self.dialect = engine.dialect.name
+        self.dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        # An in-memory SQLite database lives in one connection that all threads share.
+        self.serial = threading.Lock() if isinstance(engine.pool, StaticPool) else None
+        self.free: FreeList[Connection] = FreeList(self._connect, Connection.close)
+        # The renewer's calls (renew_many, warm_up) keep their own connections: the one its
+        # warm-up opened is still there for the first renewal, whatever the tasks took meanwhile.
+        self.renewer_free: FreeList[Connection] = FreeList(self._connect, Connection.close)
+
+    @contextmanager
+    def translate(self, what: str, first_attempt: bool = True) -> Iterator[None]:
+        try:
+            yield
+        except (SQLAlchemyError, self.dbapi_error) as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            # A refusal on a retry follows a dropped connection that may have run the statement.
+            if first_attempt and connection_refused(exc):
+                raise LeaseStoreError(
+                    f"SQL lease store {self.url} refused the connection during {what} "
+                    f"({type(exc).__name__}: {first_line}): nothing was sent; the server is "
+                    "down or not listening at that address",
+                    True,
+                ) from exc
+            raise LeaseStoreError(
+                f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
+                f"{first_line}; the outcome is unknown"
+            ) from exc
+
+    def run(
+        self, what: str, work: Callable[[Any], T], free: FreeList[Connection] | None = None
+    ) -> T:
+        """Run ``work(cursor)`` on a connection of the store: the one place driver errors are
+        caught.
+
+        The connection comes from a free list (the store's, or the renewer's ``free``) and goes
+        back when the work ends (taking one from the SQLAlchemy pool per call cost more than
+        the statement itself; keeping one per thread left one per task behind under gevent).
+        A connection interrupted mid-call is closed, never reused. A broken connection (the
+        server restarted) is dropped with the idle ones and the whole pool, and the work is
+        tried once more on a fresh connection; every operation is safe to repeat (a claim
+        repeated with the same owner token returns the same lease).
+        """
+        if free is None:
+            free = self.free
+        for attempt in (1, 2):
+            with shielded(), self.translate(what, attempt == 1):
+                if self.serial is not None:
+                    self.serial.acquire()
+                try:
+                    held = free.get()
+                    try:
+                        result = work(held.cursor)
+                    except BaseException as exc:
+                        if not isinstance(exc, self.dbapi_error):
+                            # Interrupted mid-call (a signal, a soft time limit): the
+                            # connection may be mid-command, so it never serves again.
+                            held.invalidate(exc)
+                            free.discard(held)
+                            raise
+                        disconnected = self.engine.dialect.is_disconnect(
+                            exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
+                            held.conn.dbapi_connection,
+                            None,
+                        )
+                        if self.dialect == "sqlite":
+                            rollback_quietly(held.conn)
+                        if not disconnected:
+                            free.put(held)  # the statement failed; the connection is fine
+                            raise
+                        held.invalidate(exc)
+                        free.discard(held)
+                        free.clear()
+                        self.engine.dispose()
+                        if attempt == 1:
+                            continue
+                        raise
+                    free.put(held)
+                    return result
+                finally:
+                    if self.serial is not None:
+                        self.serial.release()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _connect(self) -> Connection:
+        return Connection(
+            self.engine.raw_connection(),
+            # Closed for real when it is discarded or the store closes: put back into the pool,
+            # it could land in one that a reconnect disposed meanwhile, and leak. (Not the one
+            # shared connection of an in-memory SQLite database.)
+            detach=not isinstance(self.engine.pool, StaticPool),
+        )
+
+    @contextmanager
+    def immediate(self, cursor: Any) -> Iterator[None]:
+        """A SQLite write transaction that takes the write lock up front (no-op on PG)."""
+        if self.dialect != "sqlite":
+            yield
+            return
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            rollback_quietly(cursor.connection)
+            raise
+        cursor.execute("COMMIT")
+
+    def reset_after_fork(self) -> None:
+        """Forget connections inherited from the parent (SQLAlchemy's fork recipe); the free
+        lists forget theirs by themselves."""
+        if self.serial is None:
+            self.engine.dispose(close=False)
+
+    def close(self) -> None:
+        """Close the idle connections of both free lists (the engine is the store's to dispose)."""
+        self.free.close()
+        self.renewer_free.close()
+
+
+class Connection:
+    """A connection checked out of the engine's pool, with its cursor; closed when dropped."""
+
+    __slots__ = ("conn", "cursor", "detach", "pid")
+
+    def __init__(self, conn: Any, *, detach: bool = True) -> None:
+        self.conn = conn
+        self.cursor = conn.cursor()
+        self.pid = os.getpid()
+        self.detach = detach
+
+    def invalidate(self, exc: BaseException) -> None:
+        """Mark the connection unusable (its pool record will not reuse it)."""
+        if self.pid == os.getpid():
+            self.conn.invalidate(exc)
+
+    def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        # (_getpid is bound early: at interpreter exit module globals may already be gone)
+        if self.pid != _getpid():
+            return  # a parent's connection: never touch it from a forked child
+        self.pid = -1
+        try:
+            self.cursor.close()
+            if self.detach:
+                self.conn.detach()  # so that close() closes the DBAPI connection itself
+            self.conn.close()
+        except Exception:  # closing a broken connection may fail; it is gone anyway
+            log.debug("closing a lease store connection failed", exc_info=True)
+
+    def __del__(self) -> None:  # lost without being closed (e.g. an interrupt at the wrong time)
+        try:  # (not contextlib.suppress: it may already be gone at interpreter exit)
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing sensible to do at interpreter exit
+            return
+
+
+def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -> Engine:
+    check_credentials(url)
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise LeaseConfigError(
+            f"malformed SQL lease store URL {mask_url(url)!r}; expected "
+            "postgresql+psycopg://user:password@host:port/dbname or sqlite:///path/to/file.db"
+        ) from None
+    kwargs: dict[str, Any] = {}
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            kwargs["poolclass"] = StaticPool
+        else:
+            kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
+        kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30.0}
+    elif parsed.get_backend_name() == "postgresql":
+        ms = int(statement_timeout * 1000)
+        seconds = max(1, math.ceil(statement_timeout))
+        kwargs["connect_args"] = {
+            "options": f"-c statement_timeout={ms} -c lock_timeout={ms} "
+            f"-c idle_in_transaction_session_timeout={ms * 2}",
+            # The server enforces the timeouts above only while it runs and can reach us. A
+            # connection to a host that died or a network that drops packets would otherwise
+            # block its thread until TCP gives up (about 15 minutes): bound the connect, the
+            # wait for unacknowledged data, and probe idle connections.
+            "connect_timeout": max(2, seconds),  # (libpq reads 1 as 2)
+            "tcp_user_timeout": ms,
+            "keepalives": 1,
+            "keepalives_idle": seconds,
+            "keepalives_interval": max(1, seconds // 3),
+            "keepalives_count": 3,
+        }
+        # Autocommit connections: nothing to roll back when a connection goes back to the pool.
+        kwargs["pool_reset_on_return"] = None
+        kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
+    kwargs.update(options)
+    try:
+        engine = sa.create_engine(parsed, **kwargs)
+    except ImportError as exc:
+        if parsed.get_backend_name() == "postgresql":  # the driver is an optional extra
+            raise LeaseConfigError(
+                f"SQLLeaseStore needs the psycopg package for PostgreSQL ({mask_url(url)}): "
+                f"pip install 'celery-lease[postgres]' ({exc})"
+            ) from None
+        raise LeaseConfigError(f"cannot use SQL lease store URL {mask_url(url)!r}: {exc}") from None
+    except ArgumentError as exc:
+        raise LeaseConfigError(f"cannot use SQL lease store URL {mask_url(url)!r}: {exc}") from None
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        if engine.dialect.name == "sqlite":
+            dbapi_connection.isolation_level = None  # we issue BEGIN IMMEDIATE ourselves
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+        else:
+            dbapi_connection.autocommit = True
+
+    return engine
+
+
+def one(cursor: Any) -> tuple[Any, ...] | None:
+    row = cursor.fetchone()
+    return None if row is None else tuple(row)
+
+
+def fetch(cursor: Any, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    cursor.execute(sql, params)
+    return one(cursor)
+
+
+def rollback_quietly(conn: Any) -> None:
+    try:
+        conn.rollback()
+    except Exception:  # the connection is being discarded anyway
+        log.debug("rollback after a failed SQLite statement failed", exc_info=True)
