@@ -8,7 +8,7 @@ fence is at least that high, atomically (a Redis script or one SQL statement).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from . import _events as events
 from ._errors import LeaseConfigError, StaleFenceError
@@ -16,18 +16,9 @@ from ._interrupt import raise_if_interrupted
 from ._lease import Lease
 from ._names import show_value
 from .stores import LeaseStore, store_from_url
+from .stores.base import FenceGateStore
 
 __all__ = ["FenceGate"]
-
-
-class _GateBackend(Protocol):
-    url: str
-
-    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]: ...
-
-    def gate_highest(self, key: str) -> int | None: ...
-
-    def close(self) -> None: ...
 
 
 class FenceGate:
@@ -53,9 +44,9 @@ class FenceGate:
         if (url is None) == (store is None):
             raise LeaseConfigError("FenceGate needs exactly one of url= or store=")
         backend = store if store is not None else store_from_url(url or "", **options)
-        if not hasattr(backend, "gate_admit"):
+        if not isinstance(backend, FenceGateStore):
             raise LeaseConfigError(f"{show_value(backend)} cannot serve as a fence gate")
-        self._backend: _GateBackend = backend  # type: ignore[assignment]
+        self._backend: FenceGateStore = backend
         self._owns = store is None
         self.url = backend.url
 

@@ -28,13 +28,16 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _events as events
 from . import _failpoints as failpoints
 from ._errors import LeaseError, LeaseLostError
 from ._lanes import PER_STORE, TOTAL, Lanes
 from ._lease import Lease
+
+if TYPE_CHECKING:
+    from .stores.base import LeaseStore
 
 __all__ = ["Hold", "Renewer", "get_renewer"]
 
@@ -367,10 +370,9 @@ class Renewer:
         lanes.shutdown()
 
 
-def _renew(store: Any, leases: list[Lease]) -> Sequence[LeaseLostError | None]:
+def _renew(store: LeaseStore, leases: list[Lease]) -> Sequence[LeaseLostError | None]:
     failpoints.hit("inside_renew")
-    result: Sequence[LeaseLostError | None] = store.renew_many(leases)
-    return result
+    return store.renew_many(leases)
 
 
 def _deliver(hold: Hold, error: LeaseLostError) -> None:
@@ -380,12 +382,9 @@ def _deliver(hold: Hold, error: LeaseLostError) -> None:
         log.exception("celery_lease on_lost callback failed for %r", hold.lease)
 
 
-def _warm_up(store: Any) -> None:
-    warm_up = getattr(store, "warm_up", None)
-    if warm_up is None:
-        return
+def _warm_up(store: LeaseStore) -> None:
     try:
-        warm_up()
+        store.warm_up()
     except Exception as exc:  # noqa: BLE001 - the first renewal retries and reports it
         log.debug("warming up the renewal connection failed: %s", exc)
 

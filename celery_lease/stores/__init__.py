@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import DEFAULT_MAX_TTL, BaseLeaseStore, LeasePage, LeaseStore
+from .base import DEFAULT_MAX_TTL, BaseLeaseStore, FenceGateStore, LeasePage, LeaseStore
 from .memory import MemoryLeaseStore
 from .urls import mask_url, store_from_url
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_TTL",
     "BaseLeaseStore",
+    "FenceGateStore",
     "LeasePage",
     "LeaseStore",
     "MemoryLeaseStore",

@@ -337,8 +337,51 @@ class LeaseStore(Protocol):
         """Drop connections inherited from a parent process (called in each forked child)."""
         ...
 
+    def warm_up(self) -> None:
+        """Open the renewer's connection now, ahead of its first renewal.
+
+        The renewer calls it on one of its lanes while a process's first claim on this store
+        is in flight, so the first renewal does not pay for a connection handshake on a slow
+        network. A store with nothing to open does nothing (:class:`BaseLeaseStore`'s default);
+        an error here is only logged (the first renewal retries and reports it).
+        """
+        ...
+
     def close(self) -> None:
         """Close what the store created (never a client or engine passed in by the user)."""
+        ...
+
+
+@runtime_checkable
+class FenceGateStore(Protocol):
+    """A store that can keep a :class:`~celery_lease.FenceGate`: the highest fence admitted per key.
+
+    Every store shipped here is one (Redis: one script; SQL: one statement on the
+    ``fence_gate`` table; memory). ``FenceGate`` refuses, when it is made, a store that is not.
+    """
+
+    #: The store's URL with any password masked; safe to log.
+    url: str
+
+    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
+        """Atomically admit ``fence`` for ``key`` if it is >= every fence admitted before.
+
+        Returns:
+            ``(True, fence)`` when admitted (recorded as the highest), else ``(False, highest)``
+            with the higher fence admitted before; nothing changes then.
+
+        Raises:
+            LeaseConfigError: ``key`` is not a valid name.
+            LeaseStoreError: the store failed; treat the write as not admitted.
+        """
+        ...
+
+    def gate_highest(self, key: str) -> int | None:
+        """The highest fence admitted for ``key`` so far, or None."""
+        ...
+
+    def close(self) -> None:
+        """Close what the store created."""
         ...
 
 
@@ -451,12 +494,7 @@ class BaseLeaseStore:
         """Most drivers notice a fork themselves; stores that do not override this."""
 
     def warm_up(self) -> None:
-        """Open the renewer's connection now, ahead of its first renewal (optional).
-
-        The renewer calls it on one of its lanes while a process's first claim on this store
-        is in flight, so the first renewal does not pay for a connection handshake on a slow
-        network.
-        """
+        """Nothing to open ahead of the first renewal (see :meth:`LeaseStore.warm_up`)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
