@@ -295,7 +295,7 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-#: One line per setting, for the docs and ``celery -A proj lease settings``.
+#: One line per setting (a summary; docs/settings.md is the reference, checked by the tests).
 SETTINGS_DOC = {
     "store_url": "where leases live: redis://, rediss://, unix://, postgresql+psycopg://, "
     "sqlite:///path (required; never falls back to the broker URL)",
