@@ -33,7 +33,7 @@ SHELL = {"sh", "bash", ""}
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)(?P<attrs>.*)$")
 TITLE = re.compile(r'title="(?P<title>[^"]+)"')
 MARKER = re.compile(r"^<!--\s*test:\s*(?P<what>[a-z]+)(?P<rest>.*)$")
-INLINE = re.compile(r"`(celery [^`\n]+)`")
+INLINE = re.compile(r"`((?:celery|bash|python -m) [^`\n]+)`")
 
 
 class DocsError(Exception):
