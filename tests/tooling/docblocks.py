@@ -207,7 +207,11 @@ filterwarnings =
 def write_page_program(page: Page, into: Path) -> list[int]:
     """Write the page's executed blocks into a pytest directory; returns the lines that must run.
 
-    Pages without files of their own (titled blocks) may share a directory (and a process).
+    Pages without files of their own (titled blocks) may share a directory and a process (one
+    start-up instead of six). They still have a namespace each, but Celery's registry of shared
+    tasks is per process: an app finalized on one page gets the shared tasks of the others, so a
+    page that defines the same task name twice (migrating.md's before/after) must not finalize
+    an app. Give a page a titled file to run it alone.
     """
     into.mkdir(parents=True, exist_ok=True)
     steps: list[tuple[str, str, int, str]] = []
