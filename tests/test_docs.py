@@ -288,6 +288,13 @@ def test_install_lines_name_real_extras_and_files_exist() -> None:
     assert wrong == []
 
 
+def test_the_readme_links_exist() -> None:
+    """The README is read on GitHub and PyPI, outside the site's link check."""
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert links
+    assert [link for link in links if not (ROOT / link).exists()] == []
+
+
 # Settings reference ----------------------------------------------------------------------
 
 
