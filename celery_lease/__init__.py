@@ -14,7 +14,6 @@ from ._errors import (
     LeaseStoreError,
     StaleFenceError,
 )
-from ._fencing import FenceGate
 from ._interrupt import LeaseInterrupt, shielded
 from ._lease import Lease, LeaseInfo, Owner
 from ._ledger import REDO, Effect
@@ -28,6 +27,7 @@ from ._sweeper import (
     sweep_schedule,
 )
 from ._task import LeaseTask, current_lease, lease_task
+from .fencing import FenceGate
 from .stores import LeaseStore, store_from_url
 
 __version__ = "0.1.0.dev0"

@@ -3,6 +3,11 @@
 ``install(app)`` runs automatically when a lease task is bound to an app; call it yourself in
 the module that creates the app if you want the ``--lease-*`` worker options (the command line
 is parsed before task modules are imported).
+
+Importing this module (which importing ``celery_lease`` does) installs three process-wide
+hooks, marked where they happen below: an ``os.register_at_fork`` child hook that drops
+inherited store connections, a ``worker_process_shutdown`` receiver and an ``atexit`` handler
+that release the leases still held.
 """
 
 from __future__ import annotations
@@ -14,16 +19,18 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from celery import bootsteps, signals
 
 from . import _events as events
 from . import metrics
 from ._errors import LeaseConfigError, LeaseError
+from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
-from .stores import LeaseStore, mask_url, store_from_url
+from .stores import LeaseStore, store_from_url
+from .stores.urls import store_kind
 
 __all__ = [
     "LeaseBootstep",
@@ -41,6 +48,9 @@ _StoreKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]
 _stores: weakref.WeakKeyDictionary[Any, dict[_StoreKey, LeaseStore]] = weakref.WeakKeyDictionary()
 _stores_lock = threading.Lock()
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
+# Lease task classes bound so far (see register_task_type): the bootstep resolves the settings
+# of their tasks at worker start, so a bad one stops the worker there.
+_lease_task_types: weakref.WeakSet[type] = weakref.WeakSet()
 # Stores put in place by override_store(), innermost last. Process-wide on purpose: a test's
 # worker threads must see the store the test put in place.
 _overrides: list[LeaseStore] = []
@@ -59,16 +69,16 @@ def store_timeout(settings: LeaseSettings) -> float:
 
 
 def _store_options(settings: LeaseSettings) -> dict[str, Any]:
-    url = settings.store_url.lower()
     options = dict(settings.store_options)
     options.setdefault("retention", settings.retention)
     timeout = store_timeout(settings)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    kind = store_kind(settings.store_url)  # (None: store_from_url refuses the URL anyway)
+    if kind == "redis":
         options.setdefault("key_prefix", settings.key_prefix)
         options.setdefault("socket_timeout", timeout)
-    elif url.startswith(("postgresql", "sqlite")):
+    elif kind in ("postgresql", "sqlite"):
         options.setdefault("table_prefix", settings.table_prefix)
-        if url.startswith("postgresql"):
+        if kind == "postgresql":
             options.setdefault("statement_timeout", timeout)
     return options
 
@@ -141,6 +151,9 @@ def _reset_stores_after_fork() -> None:
                 log.exception("resetting %r after fork failed", store)
 
 
+# Import-time side effect (1 of 3): a forked child drops the store connections it inherited.
+# Process-wide, so here rather than in install() (per app): a store made by get_store() without
+# install() (the CLI, users' tests) needs it too, and registering twice would reset twice.
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_stores_after_fork)
 
@@ -168,9 +181,11 @@ def _on_process_shutdown(**_: Any) -> None:
     metrics.mark_process_dead()
 
 
+# Import-time side effects (2 and 3 of 3): a pool process that exits, and an interpreter that
+# exits, release the leases still held, so the next owner need not wait for the ttl. Both are
+# process-wide and idempotent (release_all_held on nothing held does nothing), so they are
+# connected once, when the first lease task module imports this one.
 signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
-
-
 atexit.register(release_all_held)
 
 
@@ -232,11 +247,11 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
         app = worker.app
         settings = LeaseSettings.resolve(app.conf)  # bad settings stop the worker here
-        from ._task import LeaseTask  # (imports this module)
-
+        lease_task_types = tuple(_lease_task_types)
         for task in list(app.tasks.values()):
-            if isinstance(task, LeaseTask):
-                task.lease_settings  # noqa: B018 - resolved now: a bad one stops the worker
+            if isinstance(task, lease_task_types):
+                # resolved now: a bad one stops the worker
+                cast("Any", task).lease_settings  # noqa: B018
         try:
             store = get_store(app, settings)
             warnings = store.check_health()
@@ -257,6 +272,14 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.close()
+
+
+def register_task_type(cls: type) -> None:
+    """Note a lease task class bound to an app, whose tasks the bootstep checks at start.
+
+    Called by ``LeaseTask.on_bound``: ``_task`` imports this module, never the other way round.
+    """
+    _lease_task_types.add(cls)
 
 
 def install(app: Any) -> None:

@@ -25,7 +25,7 @@ import threading
 from time import monotonic
 from typing import Any
 
-from .stores.urls import mask_url
+from ._names import mask_url
 
 __all__ = ["LOGGER", "REPEAT_WINDOW", "lease_log", "redact"]
 

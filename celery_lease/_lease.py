@@ -14,12 +14,17 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ._codec import from_micros
 from ._errors import LeaseConfigError, LeaseLostError
 from ._interrupt import raise_if_interrupted
 from ._names import clean_label, show_value
+
+# The owner stops acting once ttl * (1 - DEFAULT_MARGIN_FRACTION) has passed since the last
+# successful claim or renewal was sent, unless a margin is set explicitly.
+from ._settings import DEFAULT_MARGIN_FRACTION
 
 if TYPE_CHECKING:
     from ._ledger import Effect
@@ -27,19 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MARGIN_FRACTION", "Lease", "LeaseInfo", "Owner", "from_micros"]
 
-#: The owner stops acting once ``ttl * (1 - DEFAULT_MARGIN_FRACTION)`` has passed since the last
-#: successful claim or renewal was sent, unless a margin is set explicitly.
-DEFAULT_MARGIN_FRACTION = 0.25
 _HEX = frozenset("0123456789abcdef")
-
-
-def from_micros(micros: int) -> datetime:
-    """Convert store-clock microseconds since the epoch to an aware UTC datetime.
-
-    (A float of seconds carries these values to well under half a microsecond, so the result
-    is exact; it is about four times faster than building it from integer parts.)
-    """
-    return datetime.fromtimestamp(int(micros) / 1e6, tz=timezone.utc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kombu.utils.json import dumps, loads
-
 from . import _events as events
 from . import _failpoints as failpoints
+from ._codec import decode, encode
 from ._errors import EffectUnresolvedError, LeaseConfigError
 from ._names import validate_resource
 
@@ -41,21 +40,6 @@ class _Redo:
 
 
 REDO = _Redo()
-
-
-def encode(value: Any) -> str:
-    """JSON text for a receipt, result or checkpoint (kombu's JSON: dates, UUIDs, decimals)."""
-    try:
-        return str(dumps(value))  # type: ignore[no-untyped-call]
-    except (TypeError, ValueError) as exc:
-        raise LeaseConfigError(
-            f"{type(value).__name__} value is not JSON-serialisable for the ledger: {exc}; "
-            "record ids and plain data, not live objects"
-        ) from None
-
-
-def decode(text: str | None) -> Any:
-    return None if text is None else loads(text)  # type: ignore[no-untyped-call]
 
 
 def _needs_identity(lease: Lease, what: str) -> tuple[Any, str]:

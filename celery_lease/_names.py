@@ -7,8 +7,11 @@ Owner labels are free text from host names and task ids, so they are cleaned, ne
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+from collections.abc import Iterable
+from urllib.parse import unquote
 
 from ._errors import LeaseConfigError
 
@@ -31,6 +34,8 @@ RESOURCE_RULE = "1..200 characters from A-Z a-z 0-9 and _ . : / - (no spaces, br
 _RESOURCE_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
 #: The compiled rule (``RESOURCE_PATTERN.fullmatch(name)``), for hot paths.
 RESOURCE_PATTERN = _RESOURCE_RE
+#: A task identity follows the resource-name rule; this is how messages state it.
+IDENTITY_RULE = "1..200 of A-Z a-z 0-9 _ . : / -"
 _LABEL_BAD = re.compile(r"[^\x21-\x7e ]")
 _IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
@@ -55,6 +60,17 @@ def validate_resource(resource: object) -> str:
         f"invalid lease resource {show_value(resource)}: a resource name must be "
         f"{RESOURCE_RULE}; build it from ids (e.g. 'browser/account-42') or hash free text"
     )
+
+
+def validate_fence(fence: object, shown: object = None) -> int:
+    """Return ``fence`` if it is an integer (not a bool), else raise LeaseConfigError.
+
+    ``shown`` is what the message quotes (the caller's argument, e.g. a lease), default ``fence``.
+    """
+    if isinstance(fence, bool) or not isinstance(fence, int):
+        quoted = fence if shown is None else shown
+        raise LeaseConfigError(f"a fence is an integer, got {show_value(quoted)}")
+    return fence
 
 
 def validate_ttl(ttl: object, max_ttl: float, name: str = "ttl") -> float:
@@ -85,6 +101,12 @@ def holder_task_id(label: str) -> str | None:
     return None
 
 
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """``" (did you mean 'ttl'?)"`` for the candidate closest to a misspelt ``name``, or ``""``."""
+    matches = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+    return f" (did you mean {matches[0]!r}?)" if matches else ""
+
+
 def validate_identifier(value: object, name: str) -> str:
     """Validate a configurable SQL table prefix or Redis key prefix part."""
     if isinstance(value, str) and _IDENTIFIER_RE.fullmatch(value):
@@ -93,3 +115,80 @@ def validate_identifier(value: object, name: str) -> str:
         f"{name}={show_value(value)} is not allowed: use 1..40 characters of A-Z a-z 0-9 _ "
         "starting with a letter or underscore"
     )
+
+
+# -- URLs and names in messages -------------------------------------------------------------------
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+# A query parameter's value runs to the next "&name=" (a raw '&' inside a password must not
+# leak its tail). Names may be percent-encoded: drivers decode them (pass%77ord is password).
+_QUERY_FIRST = re.compile(r"(\?)([A-Za-z0-9_.%\-]+)=")
+_QUERY_KEY = re.compile(r"(&)([A-Za-z0-9_.%\-]+)=")
+# Any parameter whose decoded name says secret: password, ssl_password, sslpassword, passwd...
+_SECRET_KEY = re.compile(r"pass|pwd|secret|token", re.IGNORECASE)
+
+
+def _mask_query(text: str) -> str:
+    start = text.find("?")
+    if start < 0:
+        return text
+    first = _QUERY_FIRST.match(text, start)
+    keys = [first] if first else []
+    keys += _QUERY_KEY.finditer(text, first.end() if first else start)
+    if not keys:
+        return text
+    out = [text[: keys[0].start()]]
+    for number, key in enumerate(keys):
+        end = keys[number + 1].start() if number + 1 < len(keys) else len(text)
+        out.append(key.group(0))
+        secret = _SECRET_KEY.search(unquote(key.group(2)))
+        out.append("***" if secret else text[key.end() : end])
+    return "".join(out)
+
+
+def _password_span(text: str) -> tuple[int, int] | None:
+    """Where the userinfo password of a URL is, by the widest reading any driver makes.
+
+    redis-py (``urllib.parse``) reads the password up to the *last* ``@`` of the host part,
+    SQLAlchemy up to the *first* ``@``; a password holding an unencoded ``/``, ``?`` or ``#``
+    moves where ``urllib`` thinks the host part ends. So: from the first ``:`` after ``//``
+    (the user name before it holds no ``/?#``) to the last ``@`` of the URL. This may mask
+    more than the password (an ``@`` in a query), never less.
+    """
+    lead = len(text) - len(text.lstrip())  # store_from_url strips; so must the mask
+    scheme = _SCHEME.match(text, lead)
+    if scheme is None or scheme.group(0).lower().startswith("sqlite"):
+        return None  # no URL, or a file path (which may hold ':' and '@'), not a password
+    start = scheme.end()
+    at = text.rfind("@", start)
+    colon = text.find(":", start, at) if at >= 0 else -1
+    if colon < 0:  # a ':' anywhere before the last '@' may start a password: mask it
+        return None
+    return colon + 1, at
+
+
+def mask_url(url: object) -> str:
+    """Return the URL with any password replaced by ``***`` (safe to log or show)."""
+    text = str(url)
+    span = _password_span(text)
+    if span is not None:
+        text = f"{text[: span[0]]}***{text[span[1] :]}"
+    return _mask_query(text)
+
+
+def check_credentials(url: str) -> None:
+    """Refuse a SQL URL whose password SQLAlchemy would misread.
+
+    SQLAlchemy ends the password at the first ``@``: ``user:p@ss@host`` connects as password
+    ``p`` to host ``ss@host``, and the driver's errors then quote the rest of the password.
+
+    Raises:
+        LeaseConfigError: naming the fix (percent-encode the password), quoting none of it.
+    """
+    span = _password_span(url)
+    if span is not None and "@" in url[span[0] : span[1]]:
+        raise LeaseConfigError(
+            f"the password in lease store URL {mask_url(url)!r} contains an unencoded '@': "
+            "SQLAlchemy would read the text after it as the host name. Percent-encode the "
+            "password (urllib.parse.quote(password, safe='') writes '@' as %40, '/' as %2F, "
+            "'?' as %3F, '#' as %23, '%' as %25)"
+        )

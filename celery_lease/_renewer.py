@@ -410,5 +410,7 @@ def _after_fork_in_child() -> None:
     _renewer = None
 
 
+# Import-time side effect: a forked child starts without the parent's renewer (its thread did
+# not survive the fork); get_renewer() makes a new one on first use.
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -8,16 +8,22 @@ the way ``task_acks_late`` pairs with ``Task.acks_late``. Bad values raise
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._errors import LeaseConfigError
-from ._names import show_value
+from ._names import did_you_mean, mask_url, show_value
 
-__all__ = ["MIN_STORE_CALL", "SETTINGS_DOC", "LeaseSettings", "did_you_mean"]
+__all__ = [
+    "DEFAULT_MARGIN_FRACTION",
+    "DEFAULT_RENEW_FRACTION",
+    "DEFAULT_RETENTION",
+    "MIN_STORE_CALL",
+    "SETTINGS_DOC",
+    "LeaseSettings",
+    "did_you_mean",
+]
 
 ON_BUSY = ("retry", "skip", "fail")
 
@@ -28,10 +34,11 @@ ON_BUSY = ("retry", "skip", "fail")
 MIN_STORE_CALL = 0.2
 
 
-def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """``" (did you mean 'ttl'?)"`` for the candidate closest to a misspelt ``name``, or ``""``."""
-    matches = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
-    return f" (did you mean {matches[0]!r}?)" if matches else ""
+#: Default renewal cadence and self-fence margin, as fractions of the ttl.
+DEFAULT_RENEW_FRACTION = 1 / 3
+DEFAULT_MARGIN_FRACTION = 0.25
+#: Seconds identity, ledger and checkpoint records are kept after their last write (7 days).
+DEFAULT_RETENTION = 7 * 86400.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +65,11 @@ class LeaseSettings:
     send_events: bool = True
     dedup: bool = True
     handoff: bool = False
-    retention: float = 7 * 86400.0
+    retention: float = DEFAULT_RETENTION
 
     def __repr__(self) -> str:
         # Settings appear in logs and tracebacks: never with the store URL's password or a
         # secret among the store options (dataclass leaves a __repr__ defined here alone).
-        from .stores.urls import mask_url
-
         shown = []
         for f in fields(self):
             value = getattr(self, f.name)
@@ -77,11 +82,17 @@ class LeaseSettings:
 
     @property
     def effective_renew_interval(self) -> float:
-        return self.renew_interval if self.renew_interval is not None else self.ttl / 3
+        return (
+            self.renew_interval if self.renew_interval is not None else self.ttl / 3
+        )  # DEFAULT_RENEW_FRACTION
 
     @property
     def effective_margin(self) -> float:
-        return self.self_fence_margin if self.self_fence_margin is not None else self.ttl / 4
+        return (
+            self.self_fence_margin
+            if self.self_fence_margin is not None
+            else self.ttl * DEFAULT_MARGIN_FRACTION
+        )
 
     @classmethod
     def resolve(cls, conf: Any, overrides: dict[str, Any] | None = None) -> LeaseSettings:
@@ -249,8 +260,8 @@ def _check_renew_window(settings: LeaseSettings) -> None:
         return
     # ttl - margin - interval is linear in ttl: solve it for the window of one store call.
     fixed = (settings.renew_interval or 0.0) + (settings.self_fence_margin or 0.0)
-    fraction = (1 / 3 if settings.renew_interval is None else 0.0) + (
-        1 / 4 if settings.self_fence_margin is None else 0.0
+    fraction = (DEFAULT_RENEW_FRACTION if settings.renew_interval is None else 0.0) + (
+        DEFAULT_MARGIN_FRACTION if settings.self_fence_margin is None else 0.0
     )
     smallest = (MIN_STORE_CALL + fixed) / (1 - fraction)
     raise LeaseConfigError(

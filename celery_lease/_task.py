@@ -41,7 +41,8 @@ from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
-from ._app import get_store, install, overridden_store
+from ._app import get_store, install, overridden_store, register_task_type
+from ._codec import decode, encode
 from ._errors import (
     IdentityDoneError,
     LeaseBusyError,
@@ -55,13 +56,11 @@ from ._eventlog import lease_log
 from ._eventlog import log as event_log
 from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
 from ._lease import Lease, Owner
-from ._ledger import decode, encode
+from ._names import IDENTITY_RULE, did_you_mean, mask_url, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
-from ._names import show_value, validate_resource
 from ._renewer import Hold, get_renewer
-from ._settings import LeaseSettings, did_you_mean
+from ._settings import LeaseSettings
 from ._template import NameTemplate
-from .stores.urls import mask_url
 
 if TYPE_CHECKING:
     from .stores import LeaseStore
@@ -190,6 +189,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install(app)
+        register_task_type(cls)
         # Bad settings fail here, at import or app finalization (Celery's own Task.bind reads
         # app.conf at this point too), not at the first run.
         LeaseSettings.resolve(app.conf, cls._lease_overrides())
@@ -270,7 +270,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             return value
         raise LeaseConfigError(
             f"task {self.name!r}: {source} gave {show_value(value)}, which is not a valid "
-            "identity (1..200 of A-Z a-z 0-9 _ . : / -)"
+            f"identity ({IDENTITY_RULE})"
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

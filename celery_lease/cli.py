@@ -28,6 +28,7 @@ from ._lease import LeaseInfo, Owner
 from ._names import holder_task_id, validate_resource
 from ._settings import LeaseSettings
 from .stores.base import MAX_LIST_LIMIT, IdentityInfo, LeaseStore, Waiter
+from .stores.urls import store_kind
 
 __all__ = ["holder_task_id", "lease", "prefix_of"]
 
@@ -434,7 +435,7 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
             "but times this host prints or compares (logs, --expired) disagree; sync with NTP"
         )
     out: dict[str, Any] = {"store": store.url, "probe": probe}
-    if getattr(store, "dialect", None) == "postgresql":
+    if store_kind(store.url) == "postgresql":
         try:
             facts, more = _postgres_facts(store)
         except Exception as exc:  # noqa: BLE001 - the catalog read is advice, not the check

@@ -1,7 +1,11 @@
-"""Fenced side effects: SQL rows, Redis keys and HTTP tool gateways that reject stale owners.
+"""Fenced side effects: a gate, SQL rows, Redis keys, HTTP gateways that reject stale owners.
 
-A fence is only useful if the side effect checks it, atomically with the write:
+A lease alone cannot give mutual exclusion: an owner paused past its ttl wakes up believing it
+still holds the lease. The fence makes that safe only if the side effect checks it, atomically
+with the write:
 
+* :class:`FenceGate` - keeps, per key, the highest fence it admitted, and admits a write only if
+  its fence is at least that high (a Redis script or one SQL statement, in any lease store).
 * :func:`fenced_update` - a SQLAlchemy ``UPDATE ... SET ..., fence = :fence WHERE ... AND
   fence <= :fence`` for Core tables and ORM models.
 * :func:`fenced_set`, :func:`fenced_hset` - Redis writes by script that keep the highest fence
@@ -24,10 +28,11 @@ from typing import Any
 
 from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
-from ._fencing import FenceGate
-from ._interrupt import shielded
+from ._interrupt import raise_if_interrupted, shielded
 from ._lease import Lease
-from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, validate_resource
+from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, validate_fence, validate_resource
+from .stores import LeaseStore, store_from_url
+from .stores.base import FenceGateStore
 
 __all__ = [
     "FENCING_HEADER",
@@ -56,10 +61,68 @@ _MAC = re.compile(r"[A-Za-z0-9_-]{43}")  # unpadded urlsafe base64 of a SHA-256 
 
 
 def _fence_of(fence: int | Lease) -> int:
-    value = fence.fence if isinstance(fence, Lease) else fence
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LeaseConfigError(f"a fence is an integer, got {show_value(fence)}")
-    return value
+    return validate_fence(fence.fence if isinstance(fence, Lease) else fence, fence)
+
+
+# -- the gate -------------------------------------------------------------------------------------
+class FenceGate:
+    """Admits a fence for a key only if it is >= every fence admitted for that key before.
+
+    Args:
+        url: the same URLs as the lease stores (``redis://``, ``postgresql+psycopg://``,
+            ``sqlite:///``, ``memory://``); the gate can live next to the side effect rather
+            than next to the leases.
+        store: or an existing lease store to share connections with (not closed by close()).
+        **options: store options (``key_prefix``, ``table_prefix``, ...) for a URL.
+
+    Example::
+
+        gate = FenceGate("postgresql+psycopg://app@db/app")
+        gate.admit(f"invoice:{invoice_id}", current_lease().fence)   # or StaleFenceError
+        write_the_invoice(...)
+    """
+
+    def __init__(
+        self, url: str | None = None, *, store: LeaseStore | None = None, **options: Any
+    ) -> None:
+        if (url is None) == (store is None):
+            raise LeaseConfigError("FenceGate needs exactly one of url= or store=")
+        backend = store if store is not None else store_from_url(url or "", **options)
+        if not isinstance(backend, FenceGateStore):
+            raise LeaseConfigError(f"{show_value(backend)} cannot serve as a fence gate")
+        self._backend: FenceGateStore = backend
+        self._owns = store is None
+        self.url = backend.url
+
+    def admit(self, key: str, fence: int | Lease) -> int:
+        """Admit ``fence`` (or a lease's fence) for ``key``; atomically record it.
+
+        Returns:
+            The admitted fence.
+
+        Raises:
+            StaleFenceError: a newer fence was admitted for ``key`` before; nothing changed.
+            LeaseConfigError: ``key`` is not a valid name or ``fence`` not an integer.
+            LeaseStoreError: the gate's store failed; treat the write as not admitted.
+        """
+        raise_if_interrupted()  # (also with a store that makes no shielded call: memory)
+        value = _fence_of(fence)
+        admitted, highest = self._backend.gate_admit(key, value)
+        if not admitted:
+            events.count("celery_lease_stale_fence_rejections_total")
+            raise StaleFenceError.rejected(key, value, highest)
+        return value
+
+    def highest(self, key: str) -> int | None:
+        """The highest fence admitted for ``key`` so far, or None."""
+        return self._backend.gate_highest(key)
+
+    def close(self) -> None:
+        if self._owns:
+            self._backend.close()
+
+    def __repr__(self) -> str:
+        return f"<FenceGate {self.url}>"
 
 
 # -- SQL ------------------------------------------------------------------------------------------

@@ -48,15 +48,18 @@ from __future__ import annotations
 
 import builtins
 import errno
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from .._codec import from_micros
 from .._errors import LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
-from .._names import show_value, validate_resource, validate_ttl
+from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
+from .._settings import DEFAULT_RETENTION
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -104,8 +107,6 @@ MAX_LIST_LIMIT = 10_000
 MAX_SWEEP_LIMIT = 100_000
 
 
-#: Default for how long identity, ledger and checkpoint records are kept (7 days).
-DEFAULT_RETENTION = 7 * 86400.0
 IDENTITY_OUTCOMES = ("done", "failed", "retry")
 
 
@@ -385,6 +386,44 @@ class FenceGateStore(Protocol):
         ...
 
 
+log = logging.getLogger(__name__)
+
+
+def lease_info(
+    resource: str, owner_label: str, fence: int, acquired_us: int, expires_us: int, now_us: int
+) -> LeaseInfo:
+    """A lease record (times in microseconds of the store clock) as a :class:`LeaseInfo`."""
+    return LeaseInfo(
+        resource=resource,
+        owner_label=owner_label,
+        fence=int(fence),
+        acquired_at=from_micros(acquired_us),
+        expires_at=from_micros(expires_us),
+        expires_in=(expires_us - now_us) / 1e6,
+    )
+
+
+def previous_owner(
+    label: str | None, fence: int | None, identity_label: str | None, identity_fence: int | None
+) -> tuple[str | None, int | None]:
+    """Whom a claim took over from: the lease record's previous holder; failing that, the owner
+    the identity record names (an earlier attempt of this identity that never finished)."""
+    if fence is None and identity_fence is not None:
+        return identity_label, identity_fence
+    return label, fence
+
+
+def log_force_release(info: LeaseInfo) -> LeaseInfo:
+    """The one log line of an administrator's force-release (every store writes it)."""
+    log.warning(
+        "force-released lease on %r held by %r with fence %d",
+        info.resource,
+        info.owner_label,
+        info.fence,
+    )
+    return info
+
+
 def lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
     """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over)."""
     return lease.mark_lost(LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence))
@@ -421,6 +460,11 @@ class BaseLeaseStore:
             raise LeaseConfigError(f"expected a Lease from acquire(), got {show_value(lease)}")
         return validate_ttl(lease.ttl if ttl is None else ttl, self.max_ttl)
 
+    @property
+    def _retention_us(self) -> int:
+        """``retention`` in microseconds, as the stores' records count it."""
+        return round(self.retention * 1e6)
+
     @staticmethod
     def _identity_args(identity: str | None) -> str | None:
         if identity is None:
@@ -430,7 +474,7 @@ class BaseLeaseStore:
         except LeaseConfigError:
             raise LeaseConfigError(
                 f"invalid task identity {show_value(identity)}: it follows the resource-name "
-                "rule (1..200 of A-Z a-z 0-9 _ . : / -)"
+                f"rule ({IDENTITY_RULE})"
             ) from None
 
     @staticmethod

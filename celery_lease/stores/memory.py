@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._codec import decode, from_micros
 from .._errors import IdentityDoneError, LeaseBusyError, LeaseLostError
-from .._lease import Lease, LeaseInfo, Owner, from_micros
-from .._ledger import decode
+from .._lease import Lease, LeaseInfo, Owner
 from .._names import validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
@@ -29,7 +29,9 @@ from .base import (
     Waiter,
     decode_cursor,
     encode_cursor,
+    lease_info,
     monotonic,
+    previous_owner,
 )
 
 __all__ = ["MemoryLeaseStore"]
@@ -49,13 +51,8 @@ class _Record:
     recovery: tuple[str | None, int | None, str | None] | None = None
 
     def info(self, resource: str, now_us: int) -> LeaseInfo:
-        return LeaseInfo(
-            resource=resource,
-            owner_label=self.label,
-            fence=self.fence,
-            acquired_at=from_micros(self.acquired_us),
-            expires_at=from_micros(self.expires_us),
-            expires_in=(self.expires_us - now_us) / 1e6,
+        return lease_info(
+            resource, self.label, self.fence, self.acquired_us, self.expires_us, now_us
         )
 
 
@@ -164,7 +161,9 @@ class MemoryLeaseStore(BaseLeaseStore):
                 # The same claim retried: the same lease and what the first attempt recovered.
                 record = current
                 label, fence, state = record.recovery or (None, None, None)
-                previous = None if fence is None else (label, fence)
+                previous: tuple[str | None, int | None] | None = (
+                    None if fence is None else (label, fence)
+                )
                 checkpoints = None
                 if identity is not None and state is not None:
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
@@ -198,7 +197,8 @@ class MemoryLeaseStore(BaseLeaseStore):
                 checkpoints = None
                 state = None
                 if identity is not None and ident is not None:
-                    previous = previous or (ident[2], ident[1])
+                    before_label, before_fence = previous or (None, None)
+                    previous = previous_owner(before_label, before_fence, ident[2], ident[1])
                     state = ident[0]
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
@@ -229,10 +229,6 @@ class MemoryLeaseStore(BaseLeaseStore):
             identity_state=state,
             checkpoints=checkpoints,
         )
-
-    @property
-    def _retention_us(self) -> int:
-        return round(self.retention * 1e6)
 
     def _index(self, expires_us: int, table: int, key: Any) -> None:
         """Note a record's new expiry in the retention index (under the lock)."""

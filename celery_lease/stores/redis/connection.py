@@ -15,9 +15,9 @@ from typing import Any
 
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._interrupt import shielded
+from ..._names import mask_url
 from .._connections import FreeList
 from ..base import connection_refused
-from ..urls import mask_url
 
 try:
     import redis

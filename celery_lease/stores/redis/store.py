@@ -15,6 +15,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from ..._codec import decode, from_micros
 from ..._errors import (
     IdentityDoneError,
     LeaseBusyError,
@@ -22,9 +23,8 @@ from ..._errors import (
     LeaseLostError,
     LeaseStoreError,
 )
-from ..._lease import Lease, LeaseInfo, Owner, from_micros
-from ..._ledger import decode
-from ..._names import show_value, validate_resource
+from ..._lease import Lease, LeaseInfo, Owner
+from ..._names import mask_url, show_value, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -34,9 +34,11 @@ from ..base import (
     Waiter,
     decode_cursor,
     encode_cursor,
+    lease_info,
+    log_force_release,
     monotonic,
+    previous_owner,
 )
-from ..urls import mask_url
 from . import scripts as lua
 from .connection import Connections, Script, Translate, connect, describe, redis
 
@@ -206,14 +208,7 @@ class RedisLeaseStore(BaseLeaseStore):
 
     def _info(self, resource: str, record: Any, now: int) -> LeaseInfo:
         _, fence, acquired, expires, label = self._parse(record)
-        return LeaseInfo(
-            resource=resource,
-            owner_label=label,
-            fence=fence,
-            acquired_at=from_micros(acquired),
-            expires_at=from_micros(expires),
-            expires_in=(expires - now) / 1e6,
-        )
+        return lease_info(resource, label, fence, acquired, expires, now)
 
     # -- operations ------------------------------------------------------------------------
     def acquire(
@@ -280,8 +275,7 @@ class RedisLeaseStore(BaseLeaseStore):
             ckpt,
         ) = [*reply, None, None, None, None, None, None][:11]
         self._note_epoch(shard, epoch)
-        if prev_fence is None and i_fence is not None:  # an earlier attempt never finished
-            prev_label, prev_fence = i_label, i_fence
+        prev_label, prev_fence = previous_owner(prev_label, prev_fence, i_label, i_fence)
         checkpoints = None
         if ckpt is not None:
             checkpoints = decode(_text(ckpt).split("\n", 1)[1])
@@ -300,10 +294,6 @@ class RedisLeaseStore(BaseLeaseStore):
             identity_state=None if i_state is None else _text(i_state),
             checkpoints=checkpoints,
         )
-
-    @property
-    def _retention_us(self) -> int:
-        return round(self.retention * 1e6)
 
     def _renew_call(
         self,
@@ -541,14 +531,7 @@ class RedisLeaseStore(BaseLeaseStore):
         now, record = reply[0], reply[1] if len(reply) > 1 else None
         if record is None:
             return None
-        info = self._info(resource, record, now)
-        log.warning(
-            "force-released lease on %r held by %r with fence %d",
-            resource,
-            info.owner_label,
-            info.fence,
-        )
-        return info
+        return log_force_release(self._info(resource, record, now))
 
     def sweep_expired(self, *, limit: int = 1000) -> int:
         limit = self._sweep_args(limit)

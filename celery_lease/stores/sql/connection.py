@@ -24,9 +24,9 @@ from sqlalchemy.pool import StaticPool
 
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._interrupt import shielded
+from ..._names import check_credentials, mask_url
 from .._connections import FreeList
 from ..base import connection_refused
-from ..urls import check_credentials, mask_url
 
 __all__ = ["Connection", "Connections", "create_engine", "fetch", "one", "rollback_quietly"]
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..._codec import from_micros
 from ..._errors import LeaseLostError, LeaseStoreError
-from ..._lease import Lease, from_micros
+from ..._lease import Lease
 from ..base import IdentityInfo
 from .rows import ClaimRow, recovery_facts, why_lost
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..._errors import LeaseLostError
-from ..._lease import Lease, LeaseInfo, from_micros
-from ..base import lost
+from ..._lease import Lease
+from ..base import lease_info, lost
 
 __all__ = ["NO_ROW", "ClaimRow", "lease_info", "recovered_from", "recovery_facts", "why_lost"]
 
@@ -25,20 +25,6 @@ NO_ROW = (None, None, None, None, None, None)
 #:  ident_state, ident_fence, ident_label, ident_result, checkpoints, now,
 #:  holder_prev_label, holder_prev_fence)
 ClaimRow = tuple[Any, ...]
-
-
-def lease_info(
-    resource: str, label: str, fence: int, acquired: int, expires: int, now: int
-) -> LeaseInfo:
-    """A lease row (times in microseconds of the database clock) as a :class:`LeaseInfo`."""
-    return LeaseInfo(
-        resource=resource,
-        owner_label=label,
-        fence=int(fence),
-        acquired_at=from_micros(acquired),
-        expires_at=from_micros(expires),
-        expires_in=(expires - now) / 1e6,
-    )
 
 
 def why_lost(

@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from ..._codec import decode, from_micros
 from ..._errors import (
     IdentityDoneError,
     LeaseBusyError,
@@ -28,9 +29,8 @@ from ..._errors import (
     LeaseLostError,
     LeaseStoreError,
 )
-from ..._lease import Lease, LeaseInfo, Owner, from_micros
-from ..._ledger import decode
-from ..._names import validate_identifier, validate_resource
+from ..._lease import Lease, LeaseInfo, Owner
+from ..._names import mask_url, validate_identifier, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -40,14 +40,16 @@ from ..base import (
     Waiter,
     decode_cursor,
     encode_cursor,
+    lease_info,
+    log_force_release,
     monotonic,
+    previous_owner,
 )
-from ..urls import mask_url
 from . import ledger, schema
 from . import statements as stmts
 from .connection import Connections, create_engine, fetch, one
 from .ledger_statements import LedgerStatements
-from .rows import NO_ROW, ClaimRow, lease_info, recovered_from, why_lost
+from .rows import NO_ROW, ClaimRow, recovered_from, why_lost
 from .schema import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION", "SQLLeaseStore"]
@@ -194,10 +196,11 @@ class SQLLeaseStore(BaseLeaseStore):
                 prev_label, prev_fence = h_prev_label, h_prev_fence
                 ours = i_state == "running" and i_fence == h_fence
                 i_state, i_fence, i_label = recovered_from(i_result if ours else None)
-            if prev_fence is None and i_state is not None and i_fence != fence:
-                prev_label, prev_fence = i_label, i_fence  # an earlier attempt never finished
-            else:
-                i_state = i_state if i_fence != fence else None
+            if i_fence == fence:
+                i_state = None  # the identity row is this claim's own mark, not an earlier run
+            prev_label, prev_fence = previous_owner(
+                prev_label, prev_fence, i_label, i_fence if i_state is not None else None
+            )
             return Lease(
                 resource=resource,
                 owner=owner,
@@ -354,10 +357,6 @@ class SQLLeaseStore(BaseLeaseStore):
             self._connections, self.sql, self.ledger_sql, cursor, params, self._retention_us
         )
 
-    @property
-    def _retention_us(self) -> int:
-        return round(self.retention * 1e6)
-
     # -- identities, the ledger, checkpoints (see .ledger) ---------------------------------
     def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
         identity, key = self._ledger_args(lease, key)
@@ -447,14 +446,7 @@ class SQLLeaseStore(BaseLeaseStore):
         row = self._connections.run(f"force_release of {resource!r}", work)
         if row is None or row[0] is None:
             return None
-        info = lease_info(resource, *row)
-        log.warning(
-            "force-released lease on %r held by %r with fence %d",
-            resource,
-            info.owner_label,
-            info.fence,
-        )
-        return info
+        return log_force_release(lease_info(resource, *row))
 
     # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
