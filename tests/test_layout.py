@@ -1,0 +1,256 @@
+"""The package's import graph: no cycles, and no module imports a module above its layer.
+
+The layers are the ones drawn in docs/design.md; a new module must be placed in one here. An
+import counts wherever it is written (module level or inside a function), except under
+``if TYPE_CHECKING:``: annotations may name anything (a lease names its store's protocol, the
+store returns leases), since they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import celery_lease
+
+#: Lowest first. A module may import modules of its own layer or below, never above.
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "foundation",
+        {
+            "_errors",
+            "_failpoints",
+            "_interrupt",
+            "_lanes",
+            "metrics",
+            "stores._connections",
+            "stores.redis.scripts",
+            "stores.sql.statements",
+            "stores.sql.ledger_statements",
+        },
+    ),
+    ("rules", {"_names", "_codec", "_events", "_outage"}),
+    ("settings", {"_settings", "_template", "_eventlog"}),
+    ("core", {"_ledger", "_lease", "_renewer"}),
+    ("store contract", {"stores.base"}),
+    (
+        "store backends",
+        {
+            "stores.memory",
+            "stores.redis",
+            "stores.redis.connection",
+            "stores.redis.store",
+            "stores.sql",
+            "stores.sql.connection",
+            "stores.sql.rows",
+            "stores.sql.schema",
+            "stores.sql.ledger",
+            "stores.sql.store",
+        },
+    ),
+    ("store factory", {"stores", "stores.urls"}),
+    ("celery wiring", {"_app", "fencing"}),
+    ("tasks", {"_task", "_sweeper"}),
+    ("entry points", {"", "cli", "testing", "contrib", "contrib.flower"}),
+]
+
+#: Backends never import one another: each is a room of its own.
+BACKENDS = ("stores.memory", "stores.redis", "stores.sql")
+
+
+def module_names(root: Path, package: str) -> dict[str, Path]:
+    """Every module of ``package`` (under ``root``) by its name relative to the package."""
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root / package).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                skipped.update(id(n) for n in ast.walk(child))
+    return skipped
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (relative names, '' for the package)."""
+    modules = module_names(root, package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = _type_checking_nodes(tree)
+        here = [package, *name.split(".")] if name else [package]
+        if path.name != "__init__.py":
+            here = here[:-1]  # a module's relative imports start from its package
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                stem = ".".join([*base, *([node.module] if node.module else [])])
+                targets = [f"{stem}.{alias.name}" for alias in node.names] + [stem]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            for target in targets:
+                if target != package and not target.startswith(package + "."):
+                    continue
+                relative = target[len(package) + 1 :] if target != package else ""
+                if relative in modules:
+                    found.add(relative)
+                    break  # "from .x import y": y is a module, else x is
+        found.discard(name)
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, set[str]]]) -> list[str]:
+    """Each import of a module above the importer's layer, as 'a -> b (layer -> layer)'."""
+    rank = {module: i for i, (_, members) in enumerate(layers) for module in members}
+    names = [name for name, _ in layers]
+    return [
+        f"{module or '<package>'} -> {target} ({names[rank[module]]} -> {names[rank[target]]})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if rank[target] > rank[module]
+    ]
+
+
+def backend_crossings(graph: dict[str, set[str]]) -> list[str]:
+    def backend(module: str) -> str | None:
+        return next((b for b in BACKENDS if module == b or module.startswith(b + ".")), None)
+
+    return [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if backend(module) and backend(target) and backend(module) != backend(target)
+    ]
+
+
+ROOT = Path(celery_lease.__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(ROOT, "celery_lease")
+
+
+class TestLayout:
+    def test_every_module_has_a_layer(self, graph):
+        """A new module must be placed in a layer (here and in docs/design.md)."""
+        placed = {module for _, members in LAYERS for module in members}
+        assert set(graph) - placed == set()
+        assert placed - set(graph) == set(), "a layer names a module that no longer exists"
+
+    def test_no_import_cycle(self, graph):
+        """No module imports, directly or through others, a module that imports it."""
+        assert cycles(graph) == []
+
+    def test_no_module_imports_a_layer_above_its_own(self, graph):
+        """Stores never import the task layer, rules never import stores, and so on."""
+        assert upward_imports(graph, LAYERS) == []
+
+    def test_backends_do_not_import_each_other(self, graph):
+        """Redis, SQL and memory stores share only the layers below them."""
+        assert backend_crossings(graph) == []
+
+    def test_the_design_page_draws_the_same_layers(self):
+        """docs/design.md names every layer of LAYERS, in the same order."""
+        text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+        positions = [text.find(f"**{name}**") for name, _ in LAYERS]
+        missing = [name for (name, _), p in zip(LAYERS, positions, strict=True) if p < 0]
+        assert missing == []
+        assert positions == sorted(positions, reverse=True)  # drawn top (highest) down
+
+
+class TestTheCheckItself:
+    """Negative controls: the checks above catch what they look for."""
+
+    @staticmethod
+    def _package(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+        for name, text in files.items():
+            path = tmp_path / "pkg" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return import_graph(tmp_path, "pkg")
+
+    def test_a_cycle_through_a_function_level_import_is_found(self, tmp_path):
+        """A lazy import inside a function still closes a cycle."""
+        graph = self._package(
+            tmp_path,
+            {
+                "__init__.py": "",
+                "a.py": "from . import b\n",
+                "b.py": "def f():\n    from .a import x\n",
+            },
+        )
+        assert cycles(graph) == [["a", "b"]]
+
+    def test_a_type_checking_import_is_not_counted(self, tmp_path):
+        """An import under TYPE_CHECKING never runs: no edge."""
+        graph = self._package(
+            tmp_path,
+            {
+                "__init__.py": "",
+                "a.py": "from . import b\n",
+                "b.py": (
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+                ),
+            },
+        )
+        assert cycles(graph) == []
+
+    def test_an_upward_import_is_found(self, tmp_path):
+        """A low module importing a higher one is reported, with both layers."""
+        graph = self._package(
+            tmp_path,
+            {"__init__.py": "", "low.py": "from .sub.high import x\n", "sub/__init__.py": ""}
+            | {"sub/high.py": "from ..low import y\n"},
+        )
+        layers = [("bottom", {"low"}), ("top", {"", "sub", "sub.high"})]
+        assert upward_imports(graph, layers) == ["low -> sub.high (bottom -> top)"]
