@@ -3,7 +3,7 @@
 The timeout of a store made from the settings is ``ttl - margin - renew_interval``: a renewal
 sent on time may take that long and still be answered before the self-fence deadline. It was
 ttl/4 (0.2..5 s), so every call timed out at round trips between ttl/4 and ttl/3, inside the
-range where RELIABILITY.md promises that no lease is lost.
+range where the design promises that no lease is lost (a round trip below ttl/3).
 """
 
 from __future__ import annotations

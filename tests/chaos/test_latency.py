@@ -1,4 +1,4 @@
-"""S10 latency and resets between a renewer and a real Redis, through the loopback proxy.
+"""Latency and resets between a renewer and a real Redis, through the loopback proxy.
 
 * RTT below ttl/3: renewals keep the lease; no spurious loss over many renewals, also when
   the claim itself went over the slow link (its first renewal is due from the claim's send).

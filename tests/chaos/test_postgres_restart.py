@@ -1,4 +1,4 @@
-"""S8 PostgreSQL restart (``pg_ctl -m immediate``: a crash, then WAL recovery) under a held lease.
+"""A PostgreSQL restart (``pg_ctl -m immediate``: a crash, then WAL recovery) under a held lease.
 
 Each test starts its own PostgreSQL (never the session one). What the store promises across the
 restart: every committed row survives (the lease, its fence, the identity and a ledgered

@@ -1,4 +1,5 @@
-"""S7 Redis restart and S12 eviction settings, against real redis-servers started per test.
+"""Redis restarts keep fences increasing, and eviction settings are named, against real
+redis-servers started per test.
 
 Every test starts its own redis-server (never the session one), SIGKILLs and restarts it, and
 checks the store's promises: fences never regress; a lease held before a restart is either still
@@ -29,7 +30,7 @@ from tests.tooling.servers import RedisServer, wait_for
 pytestmark = [pytest.mark.redis, pytest.mark.chaos_ci]
 
 LONG = 30.0
-ROUNDS = 6  # SIGKILL + restart rounds per persistence mode (S7 CI asks 20 in total)
+ROUNDS = 6  # SIGKILL + restart rounds per persistence mode (CI asks 20 in total)
 PREFIX = "s7:"
 
 
@@ -198,7 +199,7 @@ class TestRestartWithAof:
         for resource, fences in acked.items():
             assert fences == sorted(set(fences)), f"{resource}: fences {fences} regressed"
             assert store.get(resource) is None  # every claim was released in the end
-        print(f"S7 race: {cycles[0]} cycles, {store_errors[0]} store errors across 5 kills")
+        print(f"restart race: {cycles[0]} cycles, {store_errors[0]} store errors across 5 kills")
         assert store.data_loss_detected == 0
         store.close()
 
@@ -262,7 +263,7 @@ class TestRestartWithoutPersistence:
             store.close()
 
     def test_negative_control_a_plain_counter_repeats_after_the_same_restart(self, start_redis):
-        """T17: the same restart makes a plain INCR counter (no time floor) issue 1 again.
+        """Negative control: the same restart makes a plain INCR counter (no floor) issue 1 again.
 
         This is the fault the fence floor protects against: without it, a fence issued after
         the restart would equal one issued before, and a stale owner would pass a fence check.
@@ -284,7 +285,7 @@ class TestRestartWithoutPersistence:
 class TestEvictionSettings:
     @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "allkeys-random"])
     def test_an_evicting_policy_is_flagged_or_refused(self, start_redis, policy):
-        """S12: any maxmemory-policy but noeviction is a named warning, or an error on demand."""
+        """Any maxmemory-policy but noeviction is a named warning, or an error on demand."""
         server = start_redis(appendonly=True, maxmemory_policy=policy, maxmemory="64mb")
         with store_on(server) as store:
             warnings = store.check_health()
@@ -316,7 +317,7 @@ class TestEvictionSettings:
             assert any("appendonly" in w for w in rdb.check_health())
 
     def test_negative_control_allkeys_lru_silently_evicts_a_live_lease(self, start_redis):
-        """T17 for S12: under allkeys-lru a memory fill drops a live lease without a trace.
+        """Negative control: under allkeys-lru a memory fill drops a live lease without a trace.
 
         Its owner only learns at the next renewal, and another owner can claim the resource
         meanwhile, which is why the health check flags the policy. The fence still grows (the

@@ -48,7 +48,7 @@ def apply_effect(idem: str, payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-# -- S4: duplicates ------------------------------------------------------------------------------
+# -- duplicates ------------------------------------------------------------------------------------
 def _dup_body(task: Any, n: int, hold: float, ledger: bool) -> dict[str, Any]:
     lease = current_lease()
     record_acquire(lease)
@@ -81,7 +81,7 @@ def dup_plain(self: Any, n: int, hold: float = 0.0) -> dict[str, Any]:
     return _dup_body(self, n, hold, ledger=False)
 
 
-# -- S2: a redelivery while the original runs, then the original's worker dies -------------------
+# -- a redelivery while the original runs, then the original's worker dies -----------------------
 def _redelivery_body(task: Any, n: int) -> dict[str, Any]:
     lease = current_lease()
     attempt = coord().incr(f"{env['CL_EVENTS']}:attempts:{n}")
@@ -120,7 +120,7 @@ def long_original_skip(self: Any, n: int) -> dict[str, Any]:
     return _redelivery_body(self, n)
 
 
-# -- S3: the failpoint matrix ---------------------------------------------------------------------
+# -- the failpoint matrix -------------------------------------------------------------------------
 def fp_reconcile(key: str, lease: Lease) -> Any:
     """Look at the sink: did the earlier owner's effect ``key`` take place?"""
     trial = int(lease.resource.rsplit("-", 1)[1])
@@ -218,7 +218,7 @@ def _arm_failpoints_once(
     wait_for_key(f"{env['CL_EVENTS']}:go:{trial}", timeout=120, poll=0.02)
 
 
-# -- S6: one counter, many executors, a pausing nemesis -------------------------------------------
+# -- one counter, many executors, a pausing nemesis -----------------------------------------------
 def counter_reconcile(key: str, lease: Lease) -> Any:
     """Did the earlier owner's increment land? The applied record says so."""
     i = int(key.split(":", 1)[1])

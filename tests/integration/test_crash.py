@@ -1,4 +1,4 @@
-"""S2 SIGKILL mid-task with acks_late + reject_on_worker_lost, real prefork workers.
+"""SIGKILL mid-task with acks_late + reject_on_worker_lost, real prefork workers.
 
 The pool child running ``crash_once`` is killed at a random moment of its renewal cycle. Its
 lease is never released, so it must become claimable once its ttl runs out, and no later than

@@ -1,4 +1,4 @@
-"""S4 duplicate and redelivered messages with real workers: every effect takes place once.
+"""Duplicate and redelivered messages with real workers: every effect takes place once.
 
 Each of N messages is published 2-5 times at once (four publisher threads): most groups share an
 ``idempotency_key`` header under fresh task ids, the rest reuse one task id. A few bodies run

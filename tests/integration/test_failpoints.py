@@ -1,4 +1,4 @@
-"""S3 failpoint crash matrix with real workers: a kill at any of the six sites, one execution.
+"""Failpoint crash matrix with real workers: a kill at any of the six sites, one execution.
 
 A "faulty" prefork worker runs with every failpoint site set to ``kill``
 (``CELERY_LEASE_FAILPOINTS``) and ``CELERY_LEASE_FAILPOINTS_ONCE``: a ``task_prerun`` hook

@@ -1,4 +1,4 @@
-"""Limits with real prefork workers: the runtime cap (S14) and the busy-wait budget.
+"""Limits with real prefork workers: the runtime cap and the busy-wait budget.
 
 * ``capped`` (max_runtime=2, lost_max_retries=0) renews forever; the renewer must take its
   lease away at the cap (within one renew interval), interrupt it, and the task must end FAILURE

@@ -1,4 +1,4 @@
-"""S6 lost-update counter under random pauses: 16 executors, one counter, nothing lost or doubled.
+"""Lost-update counter under random pauses: 16 executors, one counter, nothing lost or doubled.
 
 4 prefork workers x 4 pool children run N increments of ONE counter, all leasing the same
 resource. Each increment is a ledgered effect (``lease.effect(f"inc:{i}")``) doing a

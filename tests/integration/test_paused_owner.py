@@ -1,4 +1,4 @@
-"""S1 paused owner with real prefork workers: a stale owner's write never lands.
+"""A paused owner with real prefork workers: a stale owner's write never lands.
 
 Each trial: worker A runs ``paused_writer(trial, "first")``, whose body checks its lease, tells
 the test it is about to write and waits for "go". The test SIGSTOPs that pool child for 1.5-3x

@@ -1,4 +1,4 @@
-"""T4 ownership negative tests: every mutation by a non-owner is refused and changes nothing.
+"""Ownership negative tests: every mutation by a non-owner is refused and changes nothing.
 
 For each store (Redis, PostgreSQL, SQLite) a lease holder ``A`` builds some state on its
 resource under identity ``job-1``: a done effect, an open effect intent, a checkpoint, a fenced
@@ -199,7 +199,7 @@ def world(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[World]:
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_every_mutation_under_a_fault_is_refused_and_changes_nothing(world, fault):
-    """The T4 table for one fault: error type or False, and the store byte-identical."""
+    """The ownership table for one fault: error type or False, and the store byte-identical."""
     a = world.build(ttl=30.0 if fault in ("wrong_owner", "forged_fence") else 0.3)
     if fault == "wrong_owner":
         actor = _as(a, owner=Owner.new("intruder"))

@@ -1,5 +1,5 @@
-"""Renewal with real workers: a slow call keeps its lease (S13), a blocked renewal self-fences
-in time (S9), and one renewal thread serves every lease of a process.
+"""Renewal with real workers: a slow call keeps its lease, a blocked renewal self-fences in
+time, and one renewal thread serves every lease of a process.
 
 * Healthy renewal: ``slow_call`` sleeps 3x the ttl; it keeps one fence throughout, the store
   shows its expiry moving forward, an intruder is refused every time, and it ends SUCCESS.

@@ -1,4 +1,4 @@
-"""Heartbeat starvation (S13): a task body holds the GIL longer than its ttl.
+"""Heartbeat starvation: a task body holds the GIL longer than its ttl.
 
 ``gil_hog`` runs one C call (a backtracking regular expression) for about 3x the ttl: the
 renewal thread cannot run, so the lease expires in the store, and no interrupt can land. The

@@ -1,4 +1,4 @@
-"""Contention (RELIABILITY T3 / S5): many claimants released together on one resource.
+"""Contention: many claimants released together on one resource; exactly one wins each round.
 
 Each round, ``N`` contenders (forked processes for the shared stores, each building its own
 store after the fork; threads for the in-process memory store) pass a barrier together and claim
@@ -10,7 +10,7 @@ was never released. Every attempt is recorded and one checker judges the history
 winner per round, every loser's LeaseBusyError names the winner's label and fence, the winners'
 fences strictly increase across rounds, and a takeover names the expired owner.
 
-Negative controls (T17) prove the checker can fail: synthetic histories with one violation
+Negative controls prove the checker can fail: synthetic histories with one violation
 each, and the same harness over a deliberately non-atomic store (read, then blind write) whose
 read and write are split by a barrier, which forces every contender to see the resource free.
 

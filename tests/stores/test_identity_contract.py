@@ -291,7 +291,7 @@ class TestRetention:
 
 
 class TestWrongOwner:
-    """A fence is a number, not a secret: the owner token must match too (RELIABILITY T4)."""
+    """A fence is a number, not a secret: the owner token must match too."""
 
     @staticmethod
     def impostor(store, lease):

@@ -1,4 +1,5 @@
-"""S17 name fuzzing and namespace safety, over every store, plus the Redis ACL check.
+"""Hostile resource names are refused before any I/O or round-trip intact, on every store; the
+Redis store runs under a least-privilege ACL.
 
 A seeded generator makes a few thousand hostile resource names (globs, hash-tag braces, ``:``
 and ``/``, unicode look-alikes, NUL, whitespace, SQL quotes and comments, LIKE wildcards, 64 KiB
@@ -39,7 +40,7 @@ from tests.conftest import make_store, missing, unique
 from tests.tooling.servers import RedisServer, free_port
 
 LONG = 30.0
-N_NAMES = 2000  # per store (S17 CI size)
+N_NAMES = 2000  # per store (the CI size)
 SEED = int(os.environ.get("CELERY_LEASE_FUZZ_SEED", "0") or 0) or 20240517
 OK_CHARS = string.ascii_letters + string.digits + "_.:/-"
 NASTY = [
@@ -340,12 +341,12 @@ def build(kind: str, request, tmp_path) -> tuple[Any, Any | None]:
 # -- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", STORE_KINDS)
 def test_fuzzed_names_are_refused_before_io_or_round_trip(kind, request, tmp_path):
-    """S17: every name is refused (LeaseConfigError, no I/O) or works; never a store error."""
+    """Every name is refused (LeaseConfigError, no I/O) or works; never a store error."""
     store, dead = build(kind, request, tmp_path)
     started = time.monotonic()
     try:
         valid, invalid = fuzz(store, dead, N_NAMES, SEED)
-        print(f"S17 {kind}: seed={SEED} N={N_NAMES} valid={valid} invalid={invalid} ")
+        print(f"name fuzz {kind}: seed={SEED} N={N_NAMES} valid={valid} invalid={invalid} ")
         assert valid > N_NAMES // 4 and invalid > N_NAMES // 2
         print(f"  {time.monotonic() - started:.2f}s")
         if kind == "redis":

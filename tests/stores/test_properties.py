@@ -1,4 +1,4 @@
-"""Stateful property tests (RELIABILITY T14 / S15): each store against a reference model.
+"""Stateful property tests: each store answers every random operation as a reference model does.
 
 A Hypothesis ``RuleBasedStateMachine`` drives one real store (memory, Redis, SQLite, PostgreSQL)
 through random sequences of claims, short claims left to expire, renewals, releases,
@@ -11,7 +11,7 @@ Expiry is real: a short claim (2 ms) is polled, bounded, until the store itself 
 expired; long claims (30 s) never expire within a run. Each run (example) uses fresh resource
 names, so runs share one store per test.
 
-Negative control (T17): the same machine over deliberately broken memory stores (no fence bump
+Negative control: the same machine over deliberately broken memory stores (no fence bump
 on force_release, a release that ignores the fence, renewal of an expired lease, a takeover that
 forgets the previous owner) must fail.
 

@@ -1,4 +1,4 @@
-"""A loopback TCP proxy that injects network faults between a client and a store (T12).
+"""A loopback TCP proxy that injects network faults between a client and a store.
 
 ``tc netem`` and toxiproxy are not available here, so the tests put this proxy between a client
 (a Celery worker, a store) and a real server and break the path on demand::
