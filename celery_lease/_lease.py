@@ -13,6 +13,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -56,14 +57,24 @@ class Owner:
 
     @classmethod
     def new(cls, label: str | None = None) -> Owner:
-        """Make an owner with a fresh 128-bit token; the label defaults to ``host:pid``."""
+        """Make an owner with a new random 128-bit token; the label defaults to ``host:pid``.
+
+        The token goes through the same check as one you pass to ``Owner(token, label)``.
+        :meth:`fresh` makes the same kind of owner for a label you already have, skipping that
+        check (the task's claim path uses it, once per claim).
+        """
         if label is None:
             label = f"{socket.gethostname()}:{os.getpid()}"
         return cls(secrets.token_hex(16), label)
 
     @classmethod
     def fresh(cls, label: str) -> Owner:
-        """Like :meth:`new` with a label, skipping the check of a token made right here."""
+        """Make an owner with a new random token for ``label`` (required), without validating.
+
+        The same owner as ``Owner.new(label)``, made without ``__post_init__``'s token check:
+        the token is made right here, so the check could only pass. For hot paths that make an
+        owner per claim; use :meth:`new` when you want the default ``host:pid`` label.
+        """
         owner = object.__new__(cls)
         object.__setattr__(owner, "token", secrets.token_hex(16))
         object.__setattr__(owner, "label", clean_label(label))
@@ -159,6 +170,9 @@ class Lease:
         self._lock = threading.Lock()
         #: Free-form per-lease state for the layers above the store (task, identity, ...).
         self.extra: dict[str, Any] = {}
+        #: The task's ``reconcile_effect(key, lease)``, set by the task that claimed the lease:
+        #: the ledger asks it about an effect an earlier owner began but never recorded done.
+        self.reconcile_effect: Callable[[str, Lease], Any] | None = None
         #: Set by ``release``: the wake payload of the waiter the resource was handed over to
         #: (the releaser sends it), or None when nobody was waiting.
         self.handoff: str | None = None

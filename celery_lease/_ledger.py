@@ -86,7 +86,7 @@ class Effect:
             return self
         if state == "intent":
             self.previous_fence = previous_fence
-            hook = lease.extra.get("reconcile_effect")
+            hook = lease.reconcile_effect
             if hook is None:
                 events.count("celery_lease_reconciliations_total", outcome="unresolved")
                 raise EffectUnresolvedError(

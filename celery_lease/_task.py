@@ -167,7 +167,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_retention: float | None = None
 
     _lease_settings_cache: LeaseSettings | None = None
-    _lease_compiled: _Compiled | None = None
+    _lease_compiled: _TaskSetup | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -212,11 +212,11 @@ class LeaseTask(Task):  # type: ignore[misc]
         return settings
 
     # -- the resource --------------------------------------------------------------------------
-    def _compiled(self) -> _Compiled:
+    def _compiled(self) -> _TaskSetup:
         """Settings, store and name templates of this task, worked out once per process."""
         compiled = self._lease_compiled
         if compiled is None or compiled.pid != os.getpid():
-            compiled = self._lease_compiled = _Compiled(self)
+            compiled = self._lease_compiled = _TaskSetup(self)
         return compiled
 
     def lease_resource_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
@@ -339,7 +339,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             )
         hook = getattr(self, "reconcile_effect", None)
         if hook is not None:
-            lease.extra["reconcile_effect"] = hook
+            lease.reconcile_effect = hook
         if lease.recovered:
             events.count("celery_lease_takeovers_total")
             self._log(
@@ -857,8 +857,14 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
 
 
-class _Compiled:
-    """What a lease task works out once per process: settings, store, name templates."""
+class _TaskSetup:
+    """What a lease task works out once per process (and again after a fork).
+
+    Holds the task's resolved ``settings``; the ``resource`` and ``identity`` templates
+    (:class:`NameTemplate`, or None); ``dedup`` (whether calls carry an identity); the ``store``
+    (made at the first claim, see :meth:`current_store`); ``busy_cap`` (the longest busy wait,
+    from the broker's visibility timeout); and the ``pid`` it was made in.
+    """
 
     __slots__ = ("busy_cap", "dedup", "identity", "pid", "resource", "settings", "store")
 

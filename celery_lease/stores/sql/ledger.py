@@ -13,7 +13,7 @@ from ..._codec import from_micros
 from ..._errors import LeaseLostError, LeaseStoreError
 from ..._lease import Lease
 from ..base import IdentityInfo
-from .rows import ClaimRow, recovery_facts, why_lost
+from .rows import ClaimRow, identity_fields, recovery_facts, why_lost
 
 if TYPE_CHECKING:
     from .connection import Connections
@@ -45,12 +45,12 @@ def claim_identity(
     if db.dialect == "postgresql":
         cursor.execute(ledger.acquire, params)
         row = cursor.fetchone()
-        return None if row is None else tuple(row)
+        return None if row is None else ClaimRow(*row)
     with db.immediate(cursor):
         cursor.execute(ledger.ident_read, params)
         ident = cursor.fetchone() or (None, None, None, None)
         if ident[0] == "done":
-            return (0, 0, *([None] * 10), *ident, None, None, None, None)
+            return ClaimRow(0, 0, **identity_fields(ident))
         cursor.execute(sql.acquire, params)
         claim = cursor.fetchone()
         if claim is None:
@@ -63,19 +63,36 @@ def claim_identity(
             if token == params["t"]:  # our own claim retried: it reports the checkpoints
                 cursor.execute(ledger.ckpt_read, params)
                 ckpt = cursor.fetchone()
-            return (
-                0, 0, *([None] * 5), token, label, fence, acquired, expires, *ident,
-                ckpt[0] if ckpt else None, now, h_prev_label, h_prev_fence,
-            )  # fmt: skip
+            return ClaimRow(
+                0,
+                0,
+                holder_token=token,
+                holder_label=label,
+                holder_fence=fence,
+                holder_acquired=acquired,
+                holder_expires=expires,
+                **identity_fields(ident),
+                checkpoints=ckpt[0] if ckpt else None,
+                now=now,
+                holder_prev_label=h_prev_label,
+                holder_prev_fence=h_prev_fence,
+            )
         fence, acquired, expires, prev_label, prev_fence = claim
         cursor.execute(ledger.mark, {**params, "f": fence, "facts": recovery_facts(ident)})
         cursor.execute(ledger.ckpt_read, params)
         ckpt = cursor.fetchone()
-        return (
-            1, 1, fence, acquired, expires, prev_label, prev_fence,
-            None, None, None, None, None, *ident, ckpt[0] if ckpt else None, acquired,
-            None, None,
-        )  # fmt: skip
+        return ClaimRow(
+            1,
+            1,
+            fence=fence,
+            acquired=acquired,
+            expires=expires,
+            prev_label=prev_label,
+            prev_fence=prev_fence,
+            **identity_fields(ident),
+            checkpoints=ckpt[0] if ckpt else None,
+            now=acquired,
+        )
 
 
 def release_outcome(

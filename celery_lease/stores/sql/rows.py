@@ -7,24 +7,66 @@ identity row so that the same claim retried reports them again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..._errors import LeaseLostError
 from ..._lease import Lease
-from ..base import lease_info, lost
+from ..base import lost
 
-__all__ = ["NO_ROW", "ClaimRow", "lease_info", "recovered_from", "recovery_facts", "why_lost"]
+__all__ = ["NO_ROW", "ClaimRow", "identity_fields", "recovered_from", "recovery_facts", "why_lost"]
 
 #: A missing lease row, shaped like the ``state`` statement's answer
 #: (owner_token, owner_label, fence, expires_us, now_us, prev_fence).
 NO_ROW = (None, None, None, None, None, None)
 
-#: Normalised answer of a claim (with or without identity):
-#: (claimed, marked, fence, acquired, expires, prev_label, prev_fence,
-#:  holder_token, holder_label, holder_fence, holder_acquired, holder_expires,
-#:  ident_state, ident_fence, ident_label, ident_result, checkpoints, now,
-#:  holder_prev_label, holder_prev_fence)
-ClaimRow = tuple[Any, ...]
+
+class ClaimRow(NamedTuple):
+    """What a claim answers, with or without identity (the PostgreSQL claim statements select
+    these columns in this order; the SQLite path and the plain claim build one by name).
+
+    Times are microseconds of the database clock.
+    """
+
+    #: 1 when this claim took the lease, else 0.
+    claimed: int
+    #: 1 when it also marked its identity running (0 with claimed: completed meanwhile).
+    marked: int
+    #: The new lease: fence, acquired, expires, and the owner it took over from.
+    fence: Any = None
+    acquired: Any = None
+    expires: Any = None
+    prev_label: Any = None
+    prev_fence: Any = None
+    #: When not claimed: the lease row as it stands (its holder may be this very owner, whose
+    #: earlier attempt's reply was lost).
+    holder_token: Any = None
+    holder_label: Any = None
+    holder_fence: Any = None
+    holder_acquired: Any = None
+    holder_expires: Any = None
+    #: The identity record found (state, fence, owner label, result or recovery facts).
+    ident_state: Any = None
+    ident_fence: Any = None
+    ident_label: Any = None
+    ident_result: Any = None
+    #: The identity's checkpoints (JSON text), when the claim recovers them.
+    checkpoints: Any = None
+    #: The database clock at the claim.
+    now: Any = None
+    #: When not claimed: the lease row's own previous owner (what its first attempt recovered).
+    holder_prev_label: Any = None
+    holder_prev_fence: Any = None
+
+
+def identity_fields(ident: tuple[Any, ...]) -> dict[str, Any]:
+    """An identity row (state, fence, owner_label, result) as ClaimRow fields."""
+    state, fence, label, result = ident
+    return {
+        "ident_state": state,
+        "ident_fence": fence,
+        "ident_label": label,
+        "ident_result": result,
+    }
 
 
 def why_lost(

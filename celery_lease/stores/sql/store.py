@@ -168,7 +168,7 @@ class SQLLeaseStore(BaseLeaseStore):
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
              h_fence, h_acquired, h_expires, i_state, i_fence, i_label, i_result, ckpt,
-             now, h_prev_label, h_prev_fence) = row  # fmt: skip
+             now, h_prev_label, h_prev_fence) = row  # every ClaimRow field, in order  # fmt: skip
             if identity is not None and not claimed and i_state == "done":
                 raise IdentityDoneError.completed(resource, identity, i_fence, i_result)
             if claimed and not marked:
@@ -240,8 +240,8 @@ class SQLLeaseStore(BaseLeaseStore):
             None if info is None else info.result,
         )
 
-    def _claim(self, cursor: Any, params: dict[str, Any]) -> tuple[Any, ...] | None:
-        """The claim without identity, answered in the shape of a ClaimRow."""
+    def _claim(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
+        """The claim without identity, answered as a ClaimRow."""
         if self.dialect == "postgresql":
             cursor.execute(self.sql.acquire, params)
             row = one(cursor)
@@ -261,12 +261,29 @@ class SQLLeaseStore(BaseLeaseStore):
         ok, fence, acquired, expires, label, prev_fence, token, now, h_prev_label, h_prev_fence = (
             row
         )
-        nothing = (None, None, None, None, None)
         if ok:
-            return (1, 1, fence, acquired, expires, label, prev_fence, *nothing[:5], *nothing[:4],
-                    None, now, None, None)  # fmt: skip
-        return (0, 0, *nothing, token, label, fence, acquired, expires, *nothing[:4], None, now,
-                h_prev_label, h_prev_fence)  # fmt: skip
+            return ClaimRow(
+                1,
+                1,
+                fence=fence,
+                acquired=acquired,
+                expires=expires,
+                prev_label=label,
+                prev_fence=prev_fence,
+                now=now,
+            )
+        return ClaimRow(
+            0,
+            0,
+            holder_token=token,
+            holder_label=label,
+            holder_fence=fence,
+            holder_acquired=acquired,
+            holder_expires=expires,
+            now=now,
+            holder_prev_label=h_prev_label,
+            holder_prev_fence=h_prev_fence,
+        )
 
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None
