@@ -199,6 +199,23 @@ class TestLayout:
         """Redis, SQL and memory stores share only the layers below them."""
         assert backend_crossings(graph) == []
 
+    def test_only_the_store_factory_tells_url_schemes_apart(self):
+        """No module but stores/urls.py checks a URL against a scheme (``startswith("redis://")``):
+        which scheme names which store is decided in one place."""
+        sniffing = []
+        for name, path in module_names(ROOT, "celery_lease").items():
+            if name == "stores.urls":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "startswith"
+                    and "://" in ast.unparse(node.args[0] if node.args else node)
+                ):
+                    sniffing.append(f"{name}:{node.lineno}")
+        assert sniffing == []
+
     def test_the_design_page_draws_the_same_layers(self):
         """docs/design.md names every layer of LAYERS, in the same order."""
         text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
