@@ -9,6 +9,7 @@ or refused, 2 for bad input or settings (a bad resource name, no ``lease_store_u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
-from ._app import get_store
+from ._app import _store_options, get_store
 from ._errors import LeaseBusyError, LeaseConfigError, LeaseError
 from ._lease import LeaseInfo, Owner
 from ._names import holder_task_id, validate_resource
@@ -371,8 +372,14 @@ def _probe_clock(store: LeaseStore) -> dict[str, Any]:
 
 
 def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
-    """PostgreSQL settings and the role's rights that matter to leases (cheap catalog reads)."""
+    """PostgreSQL settings and the role's rights that matter to leases (cheap catalog reads).
+
+    The role should hold exactly the rights the store needs on each table (``TABLE_RIGHTS``),
+    own none of them, and be unable to create tables, roles or databases.
+    """
     import sqlalchemy as sa
+
+    from .stores.sql import TABLE_RIGHTS
 
     facts: dict[str, Any] = {}
     warnings: list[str] = []
@@ -381,14 +388,39 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
             facts[name] = conn.execute(sa.text(f"SHOW {name}")).scalar()
         role = conn.execute(
             sa.text(
-                "SELECT current_user, rolsuper, rolcreaterole, rolcreatedb "
+                "SELECT current_user, rolsuper, rolcreaterole, rolcreatedb, "
+                "has_schema_privilege(current_schema(), 'CREATE') "
                 "FROM pg_roles WHERE rolname = current_user"
             )
         ).one()
-        facts["role"] = role[0]
-        facts["superuser"] = bool(role[1])
+        name, superuser, createrole, createdb, create_in_schema = role
+        facts.update(
+            role=name,
+            superuser=bool(superuser),
+            create_role=bool(createrole),
+            create_db=bool(createdb),
+            create_in_schema=bool(create_in_schema),
+        )
         rights: dict[str, str] = {}
-        for table in store.tables.values():
+        owned: list[str] = []
+        missing: dict[str, list[str]] = {}
+        for kind, table in store.tables.items():
+            row = conn.execute(
+                sa.text(
+                    "SELECT pg_get_userbyid(c.relowner) = current_user FROM pg_class c "
+                    "WHERE c.oid = to_regclass(:t)"
+                ),
+                {"t": store.engine.dialect.identifier_preparer.quote(table.name)},
+            ).first()
+            if row is None:
+                rights[table.name] = "missing table"
+                warnings.append(
+                    f"the lease table {table.name} does not exist: create the schema as its "
+                    "owner (celery -A proj lease init-schema --url OWNER_URL --grant ROLE)"
+                )
+                continue
+            if row[0]:
+                owned.append(table.name)
             granted = [
                 right
                 for right in ("SELECT", "INSERT", "UPDATE", "DELETE")
@@ -397,22 +429,40 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
                 ).scalar()
             ]
             rights[table.name] = ",".join(granted) or "none"
-            if len(granted) < 4:
-                missing = sorted({"SELECT", "INSERT", "UPDATE", "DELETE"} - set(granted))
-                warnings.append(
-                    f"role {role[0]!r} lacks {', '.join(missing)} on {table.name}: the lease "
-                    "store needs SELECT, INSERT, UPDATE and DELETE there"
-                )
+            lacking = [right for right in TABLE_RIGHTS[kind] if right not in granted]
+            if lacking:
+                missing[kind] = lacking
         facts["table_rights"] = rights
+        facts["owns_tables"] = owned
+    if missing:
+        grants = "; ".join(
+            stmt for kind, stmt in zip(store.tables, store.grant_statements(name), strict=True)
+            if kind in missing
+        )  # fmt: skip
+        lacks = ", ".join(
+            f"{'/'.join(rights_)} on {store.tables[kind].name}" for kind, rights_ in missing.items()
+        )
+        warnings.append(
+            f"role {name!r} lacks {lacks}, which the lease store needs: as the tables' owner "
+            f"run {grants}"
+        )
     if facts["statement_timeout"] in ("0", None):
         warnings.append(
             "PostgreSQL statement_timeout is 0 (none): a stuck statement can pin a lease row; "
             "let celery_lease set it (the default) or set one on the role"
         )
-    if role[1] or role[2] or role[3]:
+    if superuser or createrole or createdb:
         warnings.append(
-            f"role {role[0]!r} is a superuser or may create roles/databases: run the lease "
+            f"role {name!r} is a superuser or may create roles/databases: run the lease "
             "store as a least-privilege role (rights on the lease tables only)"
+        )
+    elif create_in_schema or owned:
+        what = "owns the lease tables (it may alter or drop them)" if owned else ""
+        what += " and " if owned and create_in_schema else ""
+        what += "may create tables in its schema" if create_in_schema else ""
+        warnings.append(
+            f"role {name!r} {what}: for least privilege let another role own the schema "
+            "(celery -A proj lease init-schema --url OWNER_URL --grant ROLE)"
         )
     return facts, warnings
 
@@ -463,6 +513,72 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         ctx.obj.echo("OK" if not warnings else f"{len(warnings)} warning(s)")
     if strict and warnings:
         raise CommandError(f"{len(warnings)} warning(s) about {store.url}")
+
+
+#: What ``init-schema`` prints for a Redis store: the ACL a least-privilege user needs.
+REDIS_ACL = (
+    "ACL SETUSER <user> on ><password> resetkeys ~{prefix}* resetchannels -@all +evalsha "
+    "+script|load +ping +time +get +set +hmget +hget +hset +hdel +zadd +zrem +zrangebyscore "
+    "+zscore"
+)
+
+
+@lease.command(name="init-schema", cls=CeleryCommand)
+@click.option(
+    "--url",
+    default=None,
+    help="Connect as the schema's owner (default: the app's lease_store_url).",
+)
+@click.option(
+    "--grant",
+    "roles",
+    multiple=True,
+    metavar="ROLE",
+    help="Grant ROLE the rights the store needs on the tables, and no more (repeatable).",
+)
+@click.pass_context
+@_fails_cleanly
+def init_schema(ctx: click.Context, url: str | None, roles: tuple[str, ...]) -> None:
+    """Create the lease tables ahead of time, as their owner, and grant a role what it needs.
+
+    Lets the workers run as a role that may create nothing (``create_tables`` finds the tables
+    there). Idempotent: run it again after an upgrade. Redis needs no schema: it prints the ACL
+    line of a least-privilege user instead."""
+    from .stores import store_from_url
+
+    app = ctx.obj.app
+    settings = LeaseSettings.resolve(app.conf)
+    url = url or settings.store_url
+    if not url:
+        raise LeaseConfigError(
+            f"app {app.main or '?'!r} has no lease settings: set lease_store_url, or pass "
+            "--url postgresql+psycopg://OWNER@host/db"
+        )
+    options = _store_options(dataclasses.replace(settings, store_url=url))
+    options.pop("create_tables", None)
+    store: Any = store_from_url(url, **options)
+    try:
+        if not hasattr(store, "grant_statements"):
+            ctx.obj.echo(f"{store.url}: no schema to create. A least-privilege Redis user:")
+            ctx.obj.echo("  " + REDIS_ACL.format(prefix=getattr(store, "key_prefix", "")))
+            return
+        import sqlalchemy as sa
+
+        names = ", ".join(table.name for table in store.tables.values())
+        ctx.obj.echo(f"{store.url}: lease tables ready ({names})")
+        for role in roles:
+            statements = store.grant_statements(role)
+            if store.dialect != "postgresql":
+                raise LeaseConfigError(f"--grant is for PostgreSQL; {store.url} has no roles")
+            granting = store._connections.translate(f"granting {role!r} its rights")
+            with granting, store.engine.begin() as conn:
+                for statement in statements:
+                    conn.execute(sa.text(statement))
+            ctx.obj.echo(f"granted {role!r}:")
+            for statement in statements:
+                ctx.obj.echo(f"  {statement}")
+    finally:
+        store.close()
 
 
 @lease.command(name="sweep", cls=CeleryCommand)

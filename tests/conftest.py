@@ -8,6 +8,7 @@ server binary skips the tests that need it, except under ``CI=true`` where it fa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import uuid
@@ -22,6 +23,10 @@ from celery_lease.stores.base import BaseLeaseStore
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 STORE_KINDS = ("memory", "redis", "redis_cluster", "sqlite", "postgres")
+#: The same stores run with least privilege: Redis over TLS as an ACL user limited to the
+#: store's key prefix, PostgreSQL as a role that owns nothing and may create nothing (see
+#: tests/tooling/secure.py). The ``store`` fixture, so the contract suites, covers them too.
+SECURE_KINDS = ("redis_secure", "postgres_role")
 _counter = itertools.count()
 
 
@@ -71,6 +76,37 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def redis_secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A TLS-only redis-server (its own CA) whose default user needs the admin password."""
+    from tests.tooling.secure import REDIS_ADMIN_PASSWORD
+    from tests.tooling.servers import RedisServer
+
+    try:
+        server = RedisServer(
+            tmp_path_factory.mktemp("redis-tls"),
+            appendonly=True,
+            tls=True,
+            extra_args=("--requirepass", REDIS_ADMIN_PASSWORD),
+        )
+    except FileNotFoundError as exc:
+        missing(str(exc))
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_role(postgres_server: Any) -> Iterator[Any]:
+    """A least-privilege login role on the test PostgreSQL (dropped at the end)."""
+    from tests.tooling.secure import PostgresRole
+
+    role = PostgresRole(postgres_server.url)
+    try:
+        yield role
+    finally:
+        role.drop()
+
+
+@pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A 3-master Redis Cluster on loopback, started here (the hash-tagged key layout's test)."""
     from tests.tooling.servers import RedisClusterServers
@@ -104,15 +140,45 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any, **optio
     if kind == "redis_cluster":
         cluster = request.getfixturevalue("redis_cluster")
         return store_from_url(cluster.url, cluster=True, key_prefix=f"{unique('cl')}:", **options)
+    if kind == "redis_secure":
+        from tests.tooling.secure import REDIS_ADMIN_PASSWORD, redis_acl_user
+
+        server = request.getfixturevalue("redis_secure_server")
+        prefix = f"{unique('cl')}:"
+        secure = store_from_url(redis_acl_user(server, prefix), key_prefix=prefix, **options)
+        secure.test_admin_url = server.url_for(password=REDIS_ADMIN_PASSWORD)  # type: ignore[attr-defined]
+        return secure
     if kind == "sqlite":
         return store_from_url(f"sqlite:///{tmp_path}/leases.db", **options)
     if kind == "postgres":
         server = request.getfixturevalue("postgres_server")
         return store_from_url(server.url, table_prefix=f"{unique('cl')}_", **options)
+    if kind == "postgres_role":
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = f"{unique('cl')}_"
+        # The owner (the admin) creates the tables and grants; the role's store only checks
+        # that they are there (create_tables stays on: it creates nothing that exists).
+        with store_from_url(role.admin_url, table_prefix=table_prefix) as owner:
+            role.grant(owner)
+        return store_from_url(role.url, table_prefix=table_prefix, **options)
     raise ValueError(kind)
 
 
-@pytest.fixture(params=STORE_KINDS)
+@contextlib.contextmanager
+def redis_admin(store: Any) -> Iterator[Any]:
+    """A client on a Redis store's server that may read any key (the ACL user of a secure
+    store may not): for tests that look around the store's API."""
+    import redis
+
+    admin_url = getattr(store, "test_admin_url", None)
+    if admin_url is None:
+        yield store.client
+        return
+    with redis.Redis.from_url(admin_url) as admin:
+        yield admin
+
+
+@pytest.fixture(params=STORE_KINDS + SECURE_KINDS)
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[BaseLeaseStore]:
     """Each store kind in turn, isolated from the other tests."""
     instance = make_store(request.param, request, tmp_path)

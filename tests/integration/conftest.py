@@ -57,6 +57,11 @@ def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str],
             return {"CL_STORE": server.url, "CL_TABLE_PREFIX": f"{prefix}_"}
         if kind == "sqlite":
             return {"CL_STORE": f"sqlite:///{tmp_path}/leases.db", "CL_TABLE_PREFIX": "it_"}
+        if kind == "redis_secure":  # TLS, as an ACL user held to the prefix
+            from tests.tooling.secure import redis_acl_user
+
+            server = request.getfixturevalue("redis_secure_server")
+            return {"CL_STORE": redis_acl_user(server, f"{prefix}:"), "CL_PREFIX": f"{prefix}:"}
         raise ValueError(kind)
 
     return make

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from celery_lease import LeaseBusyError, LeaseConfigError, LeaseLostError, Owner
 from celery_lease._errors import IdentityDoneError
 from celery_lease.stores import MemoryLeaseStore, RedisLeaseStore
-from tests.conftest import make_store
+from tests.conftest import make_store, redis_admin
 from tests.stores.test_contract import LONG, SHORT, expire
 from tests.tooling.servers import wait_for
 
@@ -332,10 +332,11 @@ def stored(store, names):
         return sum(1 for table in tables for key in table if key[0].startswith(names))
     if isinstance(store, RedisLeaseStore):
         count = 0
-        for shard in range(store.shards):
-            for kind in ("ids", "ledger", "ckpt"):
-                key = store._keys(shard, kind)[0]
-                count += sum(1 for f in store.client.hkeys(key) if f.decode().startswith(names))
+        with redis_admin(store) as raw:
+            for shard in range(store.shards):
+                for kind in ("ids", "ledger", "ckpt"):
+                    key = store._keys(shard, kind)[0]
+                    count += sum(1 for f in raw.hkeys(key) if f.decode().startswith(names))
         return count
     with store.engine.connect() as conn:
         return sum(

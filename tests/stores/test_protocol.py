@@ -12,6 +12,7 @@ from celery_lease.stores.base import BaseLeaseStore
 NOT_CONTRACT = {
     "renew",  # BaseLeaseStore's renew_many([lease]) wrapper; declared in LeaseStore
     "create_tables",  # SQL schema set-up, called by the constructor (or by hand)
+    "grant_statements",  # SQL: the GRANTs a least-privilege role needs (init-schema --grant)
     "shard_of",  # Redis Cluster key placement
 }
 

@@ -15,13 +15,14 @@ import pwd
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["PostgresServer", "RedisServer", "free_port", "wait_for"]
+__all__ = ["PostgresServer", "RedisServer", "free_port", "make_tls_files", "wait_for"]
 
 PG_BIN = Path(os.environ.get("CELERY_LEASE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
@@ -94,12 +95,83 @@ def _stop_popen(
             proc.wait()
 
 
+def make_tls_files(directory: Path) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (IP SAN), made with openssl.
+
+    Returns the paths ``ca``, ``cert`` and ``key`` (PEM, EC P-256, valid for 2 days). The CA's
+    key is deleted once the server certificate is signed: nothing else can ever be signed by it.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FileNotFoundError("openssl is not installed (apt-get install openssl)")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "ca.crt", directory / "ca.key"
+    cert, key, csr = directory / "server.crt", directory / "server.key", directory / "server.csr"
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _run_checked(
+        [
+            openssl,
+            "req",
+            "-x509",
+            *ec,
+            "-keyout",
+            str(ca_key),
+            "-out",
+            str(ca),
+            "-subj",
+            "/CN=celery_lease test CA",
+            "-days",
+            "2",
+        ]
+    )
+    _run_checked(
+        [
+            openssl,
+            "req",
+            *ec,
+            "-keyout",
+            str(key),
+            "-out",
+            str(csr),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ]
+    )
+    _run_checked(
+        [
+            openssl,
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-copy_extensions",
+            "copy",
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+        ]
+    )
+    ca_key.unlink()
+    csr.unlink()
+    return {"ca": ca, "cert": cert, "key": key}
+
+
 class RedisServer:
     """A redis-server on 127.0.0.1:<free port> with its data in a temporary directory.
 
     Args:
         appendonly: AOF persistence; ``appendfsync`` sets its fsync policy.
         maxmemory_policy: the eviction policy (noeviction unless a test wants otherwise).
+        tls: serve TLS only (no plaintext port), with a CA and certificate for 127.0.0.1 made
+            in the server's directory; ``url`` is then ``rediss://`` and trusts that CA only.
     """
 
     def __init__(
@@ -112,6 +184,7 @@ class RedisServer:
         maxmemory_policy: str = "noeviction",
         maxmemory: str | None = None,
         extra_args: tuple[str, ...] = (),
+        tls: bool = False,
     ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
@@ -125,19 +198,29 @@ class RedisServer:
         self.maxmemory_policy = maxmemory_policy
         self.maxmemory = maxmemory
         self.extra_args = extra_args
+        self.tls = make_tls_files(self.dir / "tls") if tls else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.url_for()
+
+    def url_for(self, user: str | None = None, password: str | None = None) -> str:
+        """The server's URL (as ``user:password`` when given); over TLS, trusting only its CA."""
+        auth = f"{user}:{password}@" if user else (f":{password}@" if password else "")
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return (
+            f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required"
+            f"&ssl_ca_certs={self.tls['ca']}&ssl_check_hostname=true"
+        )
 
     def start(self) -> RedisServer:
         args = [
             self.binary or "redis-server",
             "--bind",
             "127.0.0.1",
-            "--port",
-            str(self.port),
+            *self._port_args(),
             "--dir",
             str(self.dir),
             "--save",
@@ -162,14 +245,40 @@ class RedisServer:
         wait_for(self._ready, 20, f"redis-server on port {self.port}")
         return self
 
+    def _port_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        return [
+            "--port",
+            "0",  # no plaintext listener at all
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(self.tls["cert"]),
+            "--tls-key-file",
+            str(self.tls["key"]),
+            "--tls-ca-cert-file",
+            str(self.tls["ca"]),
+            "--tls-auth-clients",
+            "no",  # clients prove who they are with an ACL password, not a certificate
+        ]
+
     def _ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+            with contextlib.ExitStack() as stack:
+                sock = stack.enter_context(
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+                )
+                if self.tls is not None:
+                    context = ssl.create_default_context(cafile=str(self.tls["ca"]))
+                    sock = stack.enter_context(
+                        context.wrap_socket(sock, server_hostname="127.0.0.1")
+                    )
                 sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
+                return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # (up, wants a password)
         except OSError:
             return False
 

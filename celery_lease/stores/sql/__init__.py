@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .store import SCHEMA_VERSION, SQLLeaseStore
+from .store import SCHEMA_VERSION, TABLE_RIGHTS, SQLLeaseStore
 
-__all__ = ["SCHEMA_VERSION", "SQLLeaseStore"]
+__all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "SQLLeaseStore"]

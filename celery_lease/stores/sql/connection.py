@@ -28,7 +28,16 @@ from ..._names import check_credentials, mask_url
 from .._connections import FreeList
 from ..base import connection_refused
 
-__all__ = ["Connection", "Connections", "create_engine", "fetch", "one", "rollback_quietly"]
+__all__ = [
+    "Connection",
+    "Connections",
+    "create_engine",
+    "fetch",
+    "first_line",
+    "one",
+    "permission_denied",
+    "rollback_quietly",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,24 +62,35 @@ class Connections:
         # The renewer's calls (renew_many, warm_up) keep their own connections: the one its
         # warm-up opened is still there for the first renewal, whatever the tasks took meanwhile.
         self.renewer_free: FreeList[Connection] = FreeList(self._connect, Connection.close)
+        #: What to tell a role refused for a missing right (the store sets it: the GRANT).
+        self.grant_advice: Callable[[BaseException], str] = lambda exc: (
+            "the GRANT statements of `celery lease init-schema --grant ROLE`"
+        )
 
     @contextmanager
     def translate(self, what: str, first_attempt: bool = True) -> Iterator[None]:
         try:
             yield
         except (SQLAlchemyError, self.dbapi_error) as exc:
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            if permission_denied(exc):  # nothing ran: a right is missing, say which GRANT
+                raise LeaseStoreError(
+                    f"SQL lease store {self.url} was refused during {what}: "
+                    f"{first_line(exc)}; the role {self.engine.url.username or '?'!r} lacks a "
+                    f"right the store needs: as the tables' owner run {self.grant_advice(exc)} "
+                    "(nothing was changed)"
+                ) from exc
+            first = str(exc).splitlines()[0] if str(exc) else ""
             # A refusal on a retry follows a dropped connection that may have run the statement.
             if first_attempt and connection_refused(exc):
                 raise LeaseStoreError(
                     f"SQL lease store {self.url} refused the connection during {what} "
-                    f"({type(exc).__name__}: {first_line}): nothing was sent; the server is "
+                    f"({type(exc).__name__}: {first}): nothing was sent; the server is "
                     "down or not listening at that address",
                     True,
                 ) from exc
             raise LeaseStoreError(
                 f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
-                f"{first_line}; the outcome is unknown"
+                f"{first}; the outcome is unknown"
             ) from exc
 
     def run(
@@ -261,6 +281,18 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
             dbapi_connection.autocommit = True
 
     return engine
+
+
+def permission_denied(exc: BaseException) -> bool:
+    """PostgreSQL refused a statement for a missing right (SQLSTATE 42501)."""
+    orig = getattr(exc, "orig", exc)
+    return getattr(orig, "sqlstate", None) == "42501"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a driver error's own message."""
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def one(cursor: Any) -> tuple[Any, ...] | None:

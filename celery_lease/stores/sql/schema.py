@@ -6,8 +6,10 @@ Times are stored as microseconds since the epoch, so PostgreSQL and SQLite share
 from __future__ import annotations
 
 import random
+import re
 import time
 import zlib
+from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -15,11 +17,53 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..._errors import LeaseConfigError, LeaseStoreError
-from .connection import Connections
+from ..._names import show_value
+from .connection import Connections, first_line, permission_denied
 
-__all__ = ["SCHEMA_VERSION", "create_tables", "tables"]
+__all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "create_tables", "grant_statements", "tables"]
 
 SCHEMA_VERSION = 1
+#: The rights the store's role needs on each of its tables (by kind), and nothing more: lease
+#: and gate rows are never deleted (a lease row keeps its resource's fence), the schema version
+#: row is written by whoever creates the tables; records past retention are deleted by the sweep.
+TABLE_RIGHTS: dict[str, tuple[str, ...]] = {
+    "leases": ("SELECT", "INSERT", "UPDATE"),
+    "meta": ("SELECT",),
+    "gate": ("SELECT", "INSERT", "UPDATE"),
+    "ids": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "ledger": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "ckpt": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+}
+_ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+_DENIED_TABLE = re.compile(r'permission denied for (?:table|relation) "?([A-Za-z0-9_]+)')
+
+
+def grant_statements(
+    quote: Callable[[str], str], tables: dict[str, sa.Table], role: str, kind: str | None = None
+) -> list[str]:
+    """The GRANTs that give ``role`` what the store needs on ``tables`` (or one ``kind``)."""
+    if not isinstance(role, str) or not _ROLE_RE.fullmatch(role):
+        raise LeaseConfigError(
+            f"role={show_value(role)} is not allowed: use 1..63 characters of A-Z a-z 0-9 _ "
+            "starting with a letter or underscore"
+        )
+    return [
+        f"GRANT {', '.join(TABLE_RIGHTS[k])} ON {quote(table.name)} TO {quote(role)}"
+        for k, table in tables.items()
+        if kind is None or k == kind
+    ]
+
+
+def grant_advice(
+    quote: Callable[[str], str], tables: dict[str, sa.Table], role: str | None, exc: BaseException
+) -> str:
+    """The GRANT that fixes a refusal: for the table the error names, else for all of them."""
+    if role is None or not _ROLE_RE.fullmatch(role):
+        return "the GRANT statements of `celery lease init-schema --grant ROLE`"
+    match = _DENIED_TABLE.search(str(exc))
+    kinds = {table.name: kind for kind, table in tables.items()}
+    kind = kinds.get(match[1]) if match else None
+    return "; ".join(grant_statements(quote, tables, role, kind))
 
 
 def create_tables(
@@ -43,6 +87,15 @@ def create_tables(
                 metadata.create_all(conn, checkfirst=True)
             break
         except SQLAlchemyError as exc:  # another process created them at the same time
+            if permission_denied(exc):  # ... or this role may not: retrying cannot help
+                role = connections.engine.url.username or "?"
+                raise LeaseConfigError(
+                    f"the role {role!r} of {connections.url} may not create the lease tables "
+                    f"({first_line(exc)}): create them beforehand as their owner with "
+                    f"`celery -A proj lease init-schema --url OWNER_URL --grant {role}` (or "
+                    "SQLLeaseStore(url=OWNER_URL).create_tables() and grant_statements(role)); "
+                    "the store's own role then needs no right to create anything"
+                ) from None
             if time.monotonic() > deadline:
                 raise LeaseStoreError(
                     f"could not create the lease tables in {connections.url}: {exc}"

@@ -50,9 +50,9 @@ from . import statements as stmts
 from .connection import Connections, create_engine, fetch, one
 from .ledger_statements import LedgerStatements
 from .rows import NO_ROW, ClaimRow, recovered_from, why_lost
-from .schema import SCHEMA_VERSION
+from .schema import SCHEMA_VERSION, TABLE_RIGHTS
 
-__all__ = ["SCHEMA_VERSION", "SQLLeaseStore"]
+__all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "SQLLeaseStore"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,9 @@ class SQLLeaseStore(BaseLeaseStore):
         self.ledger_sql = LedgerStatements(
             self.dialect, self.sql.now, self._paramstyle(), names, self.sql.claim_upsert
         )
+        self._connections.grant_advice = lambda exc: schema.grant_advice(
+            quote, self.tables, engine.url.username, exc
+        )
         if create_tables:
             try:
                 self.create_tables()
@@ -139,6 +142,20 @@ class SQLLeaseStore(BaseLeaseStore):
     def create_tables(self) -> None:
         """Create the tables and the schema version row if missing; check the version."""
         schema.create_tables(self._connections, self.metadata, self.tables)
+
+    def grant_statements(self, role: str) -> builtins.list[str]:
+        """The ``GRANT`` statements that give ``role`` what the store needs, and no more.
+
+        Run them as the tables' owner after :meth:`create_tables` (``celery -A proj lease
+        init-schema --grant ROLE`` does both); the role then needs no right to create anything.
+        """
+        return schema.grant_statements(self._quote, self.tables, role)
+
+    def _grant(self, kind: str, role: str) -> str:
+        return schema.grant_statements(self._quote, self.tables, role, kind)[0]
+
+    def _quote(self, name: str) -> str:
+        return str(self.engine.dialect.identifier_preparer.quote(name))
 
     # -- operations ------------------------------------------------------------------------
     def acquire(

@@ -1,0 +1,275 @@
+"""The secure deployment: Redis over TLS as an ACL user held to its key prefix, PostgreSQL as a
+least-privilege role, and ``celery lease init-schema`` / ``check`` for it.
+
+The store contract suites already run against both (the ``redis_secure`` and ``postgres_role``
+kinds of the ``store`` fixture, see tests/tooling/secure.py). The tests here show that those
+runs can fail: a key outside the prefix is refused (and is not, with the ACL widened), a role
+without one of its rights is refused with a message that names the GRANT to run, and the role
+can create nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from celery_lease import LeaseConfigError, LeaseStoreError, Owner
+from celery_lease.stores import store_from_url
+from celery_lease.stores.redis import RedisLeaseStore
+from celery_lease.stores.sql import TABLE_RIGHTS
+from tests.cli_helpers import one_line_error, run_lease
+from tests.conftest import make_store, redis_admin, unique
+from tests.tooling.secure import REDIS_ADMIN_PASSWORD, redis_acl_user
+
+LONG = 30.0
+DENIED = r"permission denied|must be owner"
+
+
+class LeakyRedisStore(RedisLeaseStore):
+    """A store with a bug: its fence gate keys land outside its key prefix."""
+
+    def _gate_key(self, key: str) -> str:
+        return f"elsewhere:gate:{key}"
+
+
+@pytest.mark.redis
+class TestRedisOverTlsAsAclUser:
+    def test_the_store_talks_tls_to_a_server_without_plaintext(self, request, tmp_path, names):
+        """The secure store's URL is rediss:// and the server has no plaintext listener."""
+        store = make_store("redis_secure", request, tmp_path)
+        server = request.getfixturevalue("redis_secure_server")
+        try:
+            assert store.url.startswith("rediss://") and ":***@" in store.url
+            lease = store.acquire(names + "a", Owner.new("tls"), LONG)
+            assert store.release(lease)
+            with redis_admin(store) as admin:
+                port = {str(k, "ascii") if isinstance(k, bytes) else k: str(int(v))
+                        for k, v in admin.config_get("port").items()}  # fmt: skip
+                assert port == {"port": "0"}
+                users = {client["user"] for client in admin.client_list()}
+            assert any(user.startswith("lease") for user in users), users
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as plain:
+                plain.sendall(b"PING\r\n")
+                try:
+                    reply = plain.recv(64)
+                except ConnectionResetError:
+                    reply = b""
+                assert not reply.startswith(b"+PONG")
+        finally:
+            store.close()
+
+    def test_a_key_outside_the_prefix_is_refused(self, request, tmp_path):
+        """Through the store's own connection, any key outside its prefix gets NOPERM."""
+        store = make_store("redis_secure", request, tmp_path)
+        try:
+            client = store.client
+            assert store.gate_admit("probe", 1) == (True, 1)  # (loads the script)
+            for command in (
+                ("SET", "elsewhere:x", "1"),
+                ("GET", "celery_lease:x"),
+                ("EVALSHA", store._gate_admit.sha, 1, "elsewhere:gate:x", 1),
+                ("KEYS", "*"),
+                ("FLUSHALL",),
+                ("CONFIG", "GET", "requirepass"),
+                ("PUBLISH", f"{store.key_prefix}ch", "x"),
+            ):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    client.execute_command(*command)
+        finally:
+            store.close()
+
+    def test_negative_control_a_leaky_store_fails_only_under_the_acl(self, request):
+        """A store that writes outside its prefix passes with the ACL widened to ``~*`` and
+        fails as the user held to its prefix: the secure run is what catches the leak."""
+        server = request.getfixturevalue("redis_secure_server")
+        prefix = unique("leak") + ":"
+        widened = LeakyRedisStore(url=redis_acl_user(server, prefix, keys="*"), key_prefix=prefix)
+        held = LeakyRedisStore(url=redis_acl_user(server, prefix), key_prefix=prefix)
+        try:
+            assert widened.gate_admit("k", 5) == (True, 5)  # the leak goes unnoticed
+            with pytest.raises(LeaseStoreError, match=r"(?i)no permissions|noperm"):
+                held.gate_admit("k", 6)
+            with redis.Redis.from_url(server.url_for(password=REDIS_ADMIN_PASSWORD)) as admin:
+                assert admin.get("elsewhere:gate:k") == b"5"
+                admin.delete("elsewhere:gate:k")
+        finally:
+            widened.close()
+            held.close()
+
+    def test_negative_control_a_store_outside_its_users_keys_fails_every_operation(self, request):
+        """A user held to another prefix can run none of the store's operations."""
+        server = request.getfixturevalue("redis_secure_server")
+        prefix = unique("acl") + ":"
+        url = redis_acl_user(server, prefix, keys=unique("other") + ":*")
+        with RedisLeaseStore(url=url, key_prefix=prefix) as store:
+            for operation in (
+                lambda: store.acquire("n/a", Owner.new(), LONG),
+                lambda: store.get("n/a"),
+                store.list,
+            ):
+                with pytest.raises(LeaseStoreError, match=r"(?i)no permissions|noperm"):
+                    operation()
+
+
+def owner_store(role: Any, table_prefix: str) -> Any:
+    """The admin's store on ``table_prefix``: it creates the tables and owns them."""
+    return store_from_url(role.admin_url, table_prefix=table_prefix)
+
+
+def run_as(url: str, *statements: str) -> None:
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            for statement in statements:
+                conn.execute(sa.text(statement))
+    finally:
+        engine.dispose()
+
+
+def exercise(role: Any, table_prefix: str) -> None:
+    """Every operation of the store, as the role: each needs some right on some table."""
+    with store_from_url(role.url, table_prefix=table_prefix) as store:
+        lease = store.acquire("r/a", Owner.new("role"), LONG, identity="job-1")
+        store.renew(lease, LONG)
+        assert store.get("r/a").fence == lease.fence
+        assert store.effect_begin(lease, "charge")[0] == "new"
+        assert store.effect_done(lease, "charge", '"ok"')
+        store.checkpoint(lease, '{"page": 1}')
+        store.release(lease, outcome="done", result='"r"')
+        assert store.identity_get("r/a", "job-1").state == "done"
+        assert store.gate_admit("g", lease.fence) == (True, lease.fence)
+        assert store.gate_highest("g") == lease.fence
+        store.sweep_expired()
+        store.list()
+
+
+@pytest.mark.postgres
+class TestPostgresLeastPrivilegeRole:
+    def test_the_role_can_create_nothing_and_owns_nothing(self, request, tmp_path, names):
+        """The contract suite's role is no superuser, owns no table and may create none."""
+        role = request.getfixturevalue("postgres_role")
+        store = make_store("postgres_role", request, tmp_path)
+        try:
+            lease = store.acquire(names + "a", Owner.new(), LONG)
+            assert store.release(lease)
+            with store.engine.connect() as conn:
+                attrs = conn.execute(
+                    sa.text(
+                        "SELECT current_user, rolsuper, rolcreaterole, rolcreatedb, "
+                        "has_schema_privilege(current_schema(), 'CREATE') "
+                        "FROM pg_roles WHERE rolname = current_user"
+                    )
+                ).one()
+                owners = conn.execute(
+                    sa.text("SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class "
+                            "WHERE relname LIKE :p"),
+                    {"p": store.leases_table.name.removesuffix("leases") + "%"},
+                ).scalars().all()  # fmt: skip
+            assert tuple(attrs) == (role.name, False, False, False, False)
+            assert owners and role.name not in owners
+            for statement in (
+                "CREATE TABLE celery_lease_probe (i int)",
+                f"CREATE ROLE {role.name}_x",
+                f"DROP TABLE {store.leases_table.name}",
+                f"DELETE FROM {store.leases_table.name}",  # the lease rows keep the fences
+                f"TRUNCATE {store.tables['ledger'].name}",
+            ):
+                with pytest.raises(sa.exc.ProgrammingError, match=DENIED):
+                    run_as(role.url, statement)
+        finally:
+            store.close()
+
+    def test_without_the_tables_the_role_is_told_how_to_make_them(self, request):
+        """A role that may not create the tables fails at once, naming init-schema."""
+        role = request.getfixturevalue("postgres_role")
+        with pytest.raises(LeaseConfigError) as caught:
+            store_from_url(role.url, table_prefix=unique("none") + "_")
+        message = str(caught.value)
+        assert f"role {role.name!r}" in message and "may not create the lease tables" in message
+        assert f"init-schema --url OWNER_URL --grant {role.name}" in message
+        assert role.password not in message
+
+    @pytest.mark.parametrize(
+        ("kind", "right"),
+        [(kind, right) for kind, rights in TABLE_RIGHTS.items() for right in rights],
+    )
+    def test_negative_control_every_granted_right_is_needed(self, request, kind, right):
+        """Without any one right of TABLE_RIGHTS some operation is refused, and the error
+        names the GRANT that fixes it: the role's rights are no wider than the store needs."""
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = unique("rt") + "_"
+        with owner_store(role, table_prefix) as owner:
+            role.grant(owner)
+            table = owner.tables[kind].name
+            grant = owner._grant(kind, role.name)
+        run_as(role.admin_url, f"REVOKE {right} ON {table} FROM {role.name}")
+        with pytest.raises(LeaseStoreError) as caught:
+            exercise(role, table_prefix)
+        message = str(caught.value)
+        assert f"permission denied for table {table}" in message
+        assert grant in message and role.password not in message
+
+    def test_with_its_grants_the_role_runs_every_operation(self, request):
+        """The positive twin of the control above: all rights granted, nothing refused."""
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = unique("rt") + "_"
+        with owner_store(role, table_prefix) as owner:
+            role.grant(owner)
+        exercise(role, table_prefix)
+
+
+@pytest.mark.postgres
+class TestInitSchemaAndCheck:
+    def test_init_schema_then_check_as_the_least_privilege_role(self, request):
+        """The app runs as the role: init-schema as the owner makes and grants the tables,
+        check then finds exactly the rights the store needs; a revoked right is reported."""
+        role = request.getfixturevalue("postgres_role")
+        prefix = unique("cli")
+        env = {"CLI_STORE": role.url, "CLI_PREFIX": prefix}
+
+        refused = run_lease("init-schema", env=env)  # as the role itself: may not create
+        assert refused.returncode == 2
+        assert "may not create the lease tables" in one_line_error(refused)
+
+        made = run_lease("init-schema", "--url", role.admin_url, "--grant", role.name, env=env)
+        assert made.returncode == 0, made.stderr
+        assert f"GRANT SELECT, INSERT, UPDATE ON {prefix}_leases TO {role.name}" in made.stdout
+        again = run_lease("init-schema", "--url", role.admin_url, "--grant", role.name, env=env)
+        assert again.returncode == 0, again.stderr  # idempotent
+
+        done = run_lease("check", "--json", "--strict", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        checked = json.loads(done.stdout)
+        facts = checked["postgresql"]
+        assert checked["warnings"] == [] and checked["ok"]
+        assert facts["role"] == role.name and facts["owns_tables"] == []
+        assert not (facts["superuser"] or facts["create_in_schema"] or facts["create_role"])
+        assert facts["table_rights"][f"{prefix}_leases"] == "SELECT,INSERT,UPDATE"
+        assert facts["table_rights"][f"{prefix}_meta"] == "SELECT"
+        assert facts["table_rights"][f"{prefix}_ledger"] == "SELECT,INSERT,UPDATE,DELETE"
+
+        run_as(role.admin_url, f"REVOKE DELETE ON {prefix}_ledger FROM {role.name}")
+        warned = run_lease("check", "--json", env=env)
+        assert warned.returncode == 0, warned.stderr
+        (warning,) = json.loads(warned.stdout)["warnings"]
+        assert f"lacks DELETE on {prefix}_ledger" in warning
+        assert f"GRANT SELECT, INSERT, UPDATE, DELETE ON {prefix}_ledger TO {role.name}" in warning
+        strict = run_lease("check", "--strict", env=env)
+        assert strict.returncode == 1
+
+        as_owner = run_lease("check", "--json", env={"CLI_STORE": role.admin_url,
+                                                    "CLI_PREFIX": prefix})  # fmt: skip
+        assert any("superuser" in w for w in json.loads(as_owner.stdout)["warnings"])
+
+    def test_init_schema_on_redis_prints_the_acl_line(self, request):
+        """Redis has no schema: init-schema prints the ACL line for the app's key prefix."""
+        server = request.getfixturevalue("redis_server")
+        prefix = unique("cli")
+        done = run_lease("init-schema", env={"CLI_STORE": server.url, "CLI_PREFIX": prefix})
+        assert done.returncode == 0, done.stderr
+        assert f"resetkeys ~{prefix}:* resetchannels -@all +evalsha" in done.stdout
