@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from celery_lease.stores.redis import RedisLeaseStore
 from celery_lease.stores.sql import TABLE_RIGHTS
 from tests.cli_helpers import one_line_error, run_lease
 from tests.conftest import make_store, redis_admin, unique
-from tests.tooling.secure import REDIS_ADMIN_PASSWORD, redis_acl_user
+from tests.tooling.secure import REDIS_ADMIN_PASSWORD, REDIS_USER_PASSWORD, redis_acl_user
 
 LONG = 30.0
 DENIED = r"permission denied|must be owner"
@@ -273,3 +274,31 @@ class TestInitSchemaAndCheck:
         done = run_lease("init-schema", env={"CLI_STORE": server.url, "CLI_PREFIX": prefix})
         assert done.returncode == 0, done.stderr
         assert f"resetkeys ~{prefix}:* resetchannels -@all +evalsha" in done.stdout
+
+
+class TestDocsAgree:
+    def test_the_documented_acl_and_grants_are_the_tested_ones(self, tmp_path):
+        """docs/stores.md shows the ACL the suite runs with and the GRANTs the store makes."""
+        from celery_lease.cli import REDIS_ACL
+        from tests.tooling.secure import REDIS_ACL_COMMANDS
+
+        text = (Path(__file__).resolve().parents[1] / "docs" / "stores.md").read_text()
+        acl = next(line for line in text.splitlines() if line.startswith("ACL SETUSER lease"))
+        commands = [word for word in acl.split() if word.startswith("+")]
+        assert commands == list(REDIS_ACL_COMMANDS)
+        assert acl.replace("lease on >PASSWORD", "<user> on ><password>") == REDIS_ACL.format(
+            prefix="celery_lease:"
+        )
+        with store_from_url(f"sqlite:///{tmp_path}/x.db") as store:
+            for grant in store.grant_statements("lease_app"):
+                assert f"\n{grant}\n" in text, grant
+
+    @pytest.mark.redis
+    def test_a_password_from_the_options_logs_in_the_urls_user(self, request):
+        """The documented rediss:// URL with the user only and the password in the options."""
+        server = request.getfixturevalue("redis_secure_server")
+        prefix = unique("pw") + ":"
+        url = redis_acl_user(server, prefix).replace(f":{REDIS_USER_PASSWORD}@", "@")
+        with RedisLeaseStore(url=url, key_prefix=prefix, password=REDIS_USER_PASSWORD) as store:
+            lease = store.acquire("p/a", Owner.new(), LONG)
+            assert store.release(lease)
