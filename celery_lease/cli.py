@@ -28,7 +28,14 @@ from ._errors import LeaseBusyError, LeaseConfigError, LeaseError
 from ._lease import LeaseInfo, Owner
 from ._names import holder_task_id, validate_resource
 from ._settings import LeaseSettings
-from .stores.base import MAX_LIST_LIMIT, IdentityInfo, LeaseStore, Waiter
+from .stores.base import (
+    MAX_LIST_LIMIT,
+    RECENT_EFFECTS,
+    IdentityInfo,
+    IdentityRecords,
+    LeaseStore,
+    Waiter,
+)
 from .stores.urls import store_kind
 
 __all__ = ["holder_task_id", "lease", "prefix_of"]
@@ -228,26 +235,79 @@ def ls(
         ctx.obj.echo(f"(more than {limit} leases; use --limit or --prefix)")
 
 
+def _json_or_text(text: str | None) -> Any:
+    """Stored JSON text as a value (checkpoints, receipts); text that is not JSON as it is."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _records_json(records: IdentityRecords) -> dict[str, Any]:
+    return {
+        "checkpoints": _json_or_text(records.checkpoints),
+        "checkpoint_fence": records.checkpoint_fence,
+        "effects": [
+            {
+                "key": effect.key,
+                "state": effect.state,
+                "fence": effect.fence,
+                "receipt": _json_or_text(effect.receipt),
+                "expires_at": effect.expires_at.isoformat(),
+            }
+            for effect in records.effects
+        ],
+    }
+
+
 @lease.command(cls=CeleryCommand)
 @click.argument("resource")
-@click.option("--identity", default=None, help="Also show this task identity's record.")
+@click.option(
+    "--identity",
+    default=None,
+    help="The task identity whose record to show (default: the holder's task id).",
+)
+@click.option(
+    "--effects",
+    "effects_limit",
+    type=click.IntRange(1, 1000),
+    default=RECENT_EFFECTS,
+    show_default=True,
+    help="How many of the identity's most recent effects to show.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @_fails_cleanly
-def show(ctx: click.Context, resource: str, identity: str | None, as_json: bool) -> None:
-    """Show RESOURCE's lease and wait list (and a task identity's record with --identity)."""
+def show(
+    ctx: click.Context, resource: str, identity: str | None, effects_limit: int, as_json: bool
+) -> None:
+    """Show RESOURCE's lease, its wait list, and a task identity's record with its checkpoints
+    and recent effects (the holder's own task id, or --identity)."""
     resource = _resource(resource)
     store = _store(ctx)
     info = store.get(resource)
     queue = store.waiters(resource)
-    record = store.identity_get(resource, identity) if identity is not None else None
+    # A lease task's identity is its task id unless the task sets identity=: without
+    # --identity, show the holder's record when there is one.
+    holder = holder_task_id(info.owner_label) if info is not None else None
+    wanted = identity if identity is not None else holder
+    record = store.identity_get(resource, wanted) if wanted is not None else None
+    records = (
+        store.identity_records(resource, wanted, limit=effects_limit)
+        if record is not None and wanted is not None
+        else None
+    )
     if as_json:
         out: dict[str, Any] = {
             "lease": None if info is None else _lease_json(info),
             "waiters": [_waiter_json(waiter) for waiter in queue],
         }
-        if identity is not None:
+        if identity is not None or record is not None:
             out["identity"] = None if record is None else _identity_json(record)
+            if records is not None:
+                out["identity"].update(_records_json(records))
         _dump(ctx, out)
         return
     if info is None:
@@ -272,19 +332,42 @@ def show(ctx: click.Context, resource: str, identity: str | None, as_json: bool)
             ctx.obj.echo(
                 f"  {waiter.position}. {waiter.identity} (since {waiter.since.isoformat()}{woken})"
             )
-    if identity is not None:
-        if record is None:
+    if record is None:
+        if identity is not None:
             ctx.obj.echo(f"identity {identity!r}: no record")
-            return
-        ctx.obj.echo(f"identity {identity!r}:")
-        for name, value in (
-            ("state", record.state),
-            ("fence", str(record.fence)),
-            ("holder", record.owner_label),
-            ("result", "-" if record.result is None else record.result),
-            ("kept until", record.expires_at.isoformat()),
-        ):
-            ctx.obj.echo(f"  {name + ':':<12}{value}")
+        return
+    ctx.obj.echo(f"identity {record.identity!r}:")
+    for name, value in (
+        ("state", record.state),
+        ("fence", str(record.fence)),
+        ("holder", record.owner_label),
+        ("result", "-" if record.result is None else record.result),
+        ("kept until", record.expires_at.isoformat()),
+    ):
+        ctx.obj.echo(f"  {name + ':':<13}{value}")
+    assert records is not None
+    if records.checkpoints is None:
+        ctx.obj.echo("  checkpoints: none")
+    else:
+        ctx.obj.echo(f"  checkpoints: {records.checkpoints} (fence {records.checkpoint_fence})")
+    if not records.effects:
+        ctx.obj.echo("  effects:     none")
+        return
+    ctx.obj.echo(f"  effects:     {len(records.effects)} (most recent first)")
+    rows = [
+        [
+            effect.key,
+            effect.state,
+            str(effect.fence),
+            "-" if effect.receipt is None else effect.receipt,
+            effect.expires_at.isoformat(),
+        ]
+        for effect in records.effects
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        ctx.obj.echo(f"    {'  '.join(cells)}  kept until {row[4]}")
 
 
 @lease.command(cls=CeleryCommand)
@@ -519,7 +602,7 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
 REDIS_ACL = (
     "ACL SETUSER <user> on ><password> resetkeys ~{prefix}* resetchannels -@all +evalsha "
     "+script|load +ping +time +get +set +hmget +hget +hset +hdel +zadd +zrem +zrangebyscore "
-    "+zscore"
+    "+zscore +hscan"
 )
 
 

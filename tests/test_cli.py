@@ -105,6 +105,38 @@ class TestEveryStore:
             assert set(facts["table_rights"].values()) == {"SELECT,INSERT,UPDATE,DELETE"}
 
 
+class TestShowIdentityRecords:
+    def test_show_lists_checkpoints_and_recent_effects(self, target: Target) -> None:
+        """show prints the identity's checkpoints and effects, newest first: of --identity, or
+        by default of the holder's task id (a lease task's identity)."""
+        store = target.store
+        lease = store.acquire("pay/a", Owner.new("celery@w1:12:task-aaa"), 60, identity="job-1")
+        store.effect_begin(lease, "charge")
+        store.effect_done(lease, "charge", '{"id": 7}')
+        store.checkpoint(lease, '{"page": 3}')
+        held = store.acquire("pay/b", Owner.new("celery@w1:14:task-ccc"), 60, identity="task-ccc")
+        store.effect_begin(held, "mail")
+
+        shown = target.json("show", "pay/a", "--identity", "job-1")["identity"]
+        assert shown["checkpoints"] == {"page": 3} and shown["checkpoint_fence"] == lease.fence
+        assert [(e["key"], e["state"], e["receipt"], e["fence"]) for e in shown["effects"]] == [
+            ("charge", "done", {"id": 7}, lease.fence)
+        ]
+        holder = target.json("show", "pay/b")["identity"]  # no --identity: the holder's
+        assert holder["identity"] == "task-ccc" and holder["checkpoints"] is None
+        assert [(e["key"], e["state"], e["receipt"]) for e in holder["effects"]] == [
+            ("mail", "intent", None)
+        ]
+        assert "identity" not in target.json("show", "pay/a")  # task-aaa has no record
+
+        human = target.run("show", "pay/a", "--identity", "job-1")
+        assert human.returncode == 0, human.stderr
+        assert 'checkpoints: {"page": 3}' in human.stdout
+        assert "effects:     1 (most recent first)" in human.stdout
+        (line,) = [x for x in human.stdout.splitlines() if x.strip().startswith("charge")]
+        assert "done" in line and '{"id": 7}' in line and str(lease.fence) in line
+
+
 class TestFilters:
     def test_expired_prefix_and_stats(self, sqlite_target: Target) -> None:
         """--expired and --prefix filter ls; stats counts live and expired by prefix."""

@@ -64,8 +64,11 @@ from .._settings import DEFAULT_RETENTION
 __all__ = [
     "DEFAULT_MAX_TTL",
     "DEFAULT_RETENTION",
+    "RECENT_EFFECTS",
     "BaseLeaseStore",
+    "EffectRecord",
     "IdentityInfo",
+    "IdentityRecords",
     "LeasePage",
     "LeaseStore",
     "Waiter",
@@ -121,6 +124,30 @@ class IdentityInfo:
     owner_label: str
     result: str | None
     expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRecord:
+    """One ledger entry of a task identity (see ``identity_records``)."""
+
+    key: str
+    state: str  # "intent" (begun, not known done) or "done"
+    fence: int  # of the owner that last wrote it
+    receipt: str | None  # JSON text, once done
+    expires_at: datetime  # retention runs from its last write: the latest is the most recent
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityRecords:
+    """A task identity's checkpoints and effects on a resource (see ``identity_records``)."""
+
+    checkpoints: str | None  # JSON text of all steps, as the last checkpoint() stored it
+    checkpoint_fence: int | None
+    effects: list[EffectRecord]  # most recently written first
+
+
+#: Default number of effects ``identity_records`` returns.
+RECENT_EFFECTS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +290,14 @@ class LeaseStore(Protocol):
 
     def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
         """Read the record of a task identity on a resource, or None."""
+        ...
+
+    def identity_records(
+        self, resource: str, identity: str, *, limit: int = RECENT_EFFECTS
+    ) -> IdentityRecords:
+        """Read an identity's checkpoints and its ``limit`` most recently written effects
+        (records past retention are left out). For operators (``celery lease show``): on Redis
+        it reads through the shard's ledger hash."""
         ...
 
     def verify(self, lease: Lease) -> None:
@@ -504,6 +539,14 @@ class BaseLeaseStore:
         if lease.identity is None:
             raise LeaseConfigError("the ledger needs a lease claimed with identity=")
         return lease.identity, validate_resource(key)
+
+    @staticmethod
+    def _records_args(resource: str, identity: str, limit: int) -> tuple[str, str, int]:
+        validate_resource(resource)
+        ident = BaseLeaseStore._identity_args(identity) or ""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise LeaseConfigError(f"limit must be an integer 1..1000, got {show_value(limit)}")
+        return resource, ident, limit
 
     @staticmethod
     def _list_args(prefix: str, limit: int) -> int:

@@ -23,8 +23,11 @@ from .._names import validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
+    RECENT_EFFECTS,
     BaseLeaseStore,
+    EffectRecord,
     IdentityInfo,
+    IdentityRecords,
     LeasePage,
     Waiter,
     decode_cursor,
@@ -409,6 +412,23 @@ class MemoryLeaseStore(BaseLeaseStore):
                 return None
             state, fence, label, result, expires, _token = record
         return IdentityInfo(resource, identity, state, fence, label, result, from_micros(expires))
+
+    def identity_records(
+        self, resource: str, identity: str, *, limit: int = RECENT_EFFECTS
+    ) -> IdentityRecords:
+        resource, identity, limit = self._records_args(resource, identity, limit)
+        with self._lock:
+            now = self._now_us()
+            ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
+            effects = [
+                EffectRecord(key[2], entry[0], entry[1], entry[2], from_micros(entry[3]))
+                for key, entry in self._ledger.items()
+                if key[:2] == (resource, identity) and entry[3] > now
+            ]
+        effects.sort(key=lambda e: (e.expires_at, e.key), reverse=True)
+        return IdentityRecords(
+            None if ckpt is None else ckpt[1], None if ckpt is None else ckpt[0], effects[:limit]
+        )
 
     def get(self, resource: str) -> LeaseInfo | None:
         resource = validate_resource(resource)

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from celery_lease import LeaseBusyError, LeaseConfigError, LeaseLostError, Owner
 from celery_lease._errors import IdentityDoneError
 from celery_lease.stores import MemoryLeaseStore, RedisLeaseStore
+from celery_lease.stores.base import IdentityRecords
 from tests.conftest import make_store, redis_admin
 from tests.stores.test_contract import LONG, SHORT, expire
 from tests.tooling.servers import wait_for
@@ -415,3 +416,34 @@ class TestSweep:
         """The limit is an integer 1..100000."""
         with pytest.raises(LeaseConfigError, match="sweep limit"):
             store.sweep_expired(limit=limit)
+
+
+class TestIdentityRecords:
+    def test_checkpoints_and_recent_effects_of_one_identity(self, store, names):
+        """identity_records shows the last checkpoint and the effects, newest first, of this
+        identity only (not another identity's, nor another resource's)."""
+        lease = claim(store, names)
+        assert store.identity_records(names + "r", "job-1") == IdentityRecords(None, None, [])
+        store.effect_begin(lease, "charge")
+        store.effect_done(lease, "charge", '{"id": 7}')
+        store.effect_begin(lease, "email")  # begun, never known done
+        store.checkpoint(lease, '{"page": 3}')
+        other = claim(store, names, identity="job-2", resource="s")
+        store.effect_begin(other, "charge")
+        store.release(lease, outcome="done", result="1")
+
+        records = store.identity_records(names + "r", "job-1")
+        assert records.checkpoints == '{"page": 3}' and records.checkpoint_fence == lease.fence
+        by_key = {e.key: e for e in records.effects}
+        assert set(by_key) == {"charge", "email"}
+        assert (by_key["charge"].state, by_key["charge"].receipt) == ("done", '{"id": 7}')
+        assert (by_key["email"].state, by_key["email"].receipt) == ("intent", None)
+        assert {e.fence for e in records.effects} == {lease.fence}
+        assert records.effects[0].expires_at >= records.effects[1].expires_at
+        assert store.identity_records(names + "r", "job-1", limit=1).effects == records.effects[:1]
+        assert store.identity_records(names + "r", "job-2") == IdentityRecords(None, None, [])
+        assert [e.key for e in store.identity_records(names + "s", "job-2").effects] == ["charge"]
+        with pytest.raises(LeaseConfigError):
+            store.identity_records(names + "r", "job-1", limit=0)
+        with pytest.raises(LeaseConfigError):
+            store.identity_records(names + "r", "job*")

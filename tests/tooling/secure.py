@@ -22,7 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 #: Everything the Redis store sends (EVALSHA, SCRIPT LOAD when the script cache is cold, PING
-#: and GET for the health check and the fence gate) or its scripts call. CONFIG GET is left out
+#: and GET for the health check and the fence gate, HSCAN and friends for identity_records)
+#: or its scripts call. CONFIG GET is left out
 #: on purpose (it reads secrets such as masterauth): the health check then warns that it could
 #: not read the configuration.
 REDIS_ACL_COMMANDS = (
@@ -40,6 +41,7 @@ REDIS_ACL_COMMANDS = (
     "+zrem",
     "+zrangebyscore",
     "+zscore",
+    "+hscan",
 )
 #: The admin (default user) password of the TLS server; stores never use it.
 REDIS_ADMIN_PASSWORD = "admin-" + secrets.token_hex(8)

@@ -28,8 +28,11 @@ from ..._names import mask_url, show_value, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
+    RECENT_EFFECTS,
     BaseLeaseStore,
+    EffectRecord,
     IdentityInfo,
+    IdentityRecords,
     LeasePage,
     Waiter,
     decode_cursor,
@@ -472,6 +475,46 @@ class RedisLeaseStore(BaseLeaseStore):
             result or None,
             from_micros(int(float(expires))),
         )
+
+    def identity_records(
+        self, resource: str, identity: str, *, limit: int = RECENT_EFFECTS
+    ) -> IdentityRecords:
+        resource, identity, limit = self._records_args(resource, identity, limit)
+        shard = self.shard_of(resource)
+        ids_exp, ckpt_key, ledger, ledger_exp = self._keys(
+            shard, "ids_exp", "ckpt", "ledger", "ledger_exp"
+        )
+        member = f"{resource}|{identity}"
+        # Names follow the resource rule (no * ? [ ] or backslash), so the pattern matches
+        # only this identity's entries; the fields are compared exactly below all the same.
+        pattern = f"{member}|*"
+        with self._run("identity records read of %r", resource):
+            seconds, micros = self.client.time()
+            now = int(seconds) * 1_000_000 + int(micros)
+            ckpt_exp = self.client.zscore(ids_exp, member)
+            ckpt = self.client.hget(ckpt_key, member) if (ckpt_exp or 0) > now else None
+            entries = {
+                _text(field)[len(member) + 1 :]: _text(value)
+                for field, value in self.client.hscan_iter(ledger, match=pattern, count=1000)
+                if _text(field).startswith(pattern[:-1])
+            }
+            pipe = self.client.pipeline(transaction=False)
+            for key in entries:
+                pipe.zscore(ledger_exp, f"{member}|{key}")
+            expiries = pipe.execute() if entries else []
+        effects = []
+        for (key, value), expires in zip(entries.items(), expiries, strict=True):
+            if expires is None or expires <= now:
+                continue
+            state, fence, _token, receipt = value.split("\n", 3)
+            effects.append(
+                EffectRecord(key, state, int(fence), receipt or None, from_micros(int(expires)))
+            )
+        effects.sort(key=lambda e: (e.expires_at, e.key), reverse=True)
+        if ckpt is None:
+            return IdentityRecords(None, None, effects[:limit])
+        fence, data = _text(ckpt).split("\n", 1)
+        return IdentityRecords(data, int(fence), effects[:limit])
 
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)

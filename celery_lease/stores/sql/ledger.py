@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..._codec import from_micros
 from ..._errors import LeaseLostError, LeaseStoreError
 from ..._lease import Lease
-from ..base import IdentityInfo
+from ..base import EffectRecord, IdentityInfo, IdentityRecords
 from .rows import ClaimRow, identity_fields, recovery_facts, why_lost
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ __all__ = [
     "effect_begin",
     "effect_done",
     "identity_get",
+    "identity_records",
     "release_outcome",
     "sweep",
 ]
@@ -286,3 +287,25 @@ def identity_get(
     if state == "running":
         result = None  # a running row keeps its claim's recovery facts there
     return IdentityInfo(resource, ident, state, int(fence), label, result, from_micros(expires))
+
+
+def identity_records(
+    db: Connections, ledger: LedgerStatements, resource: str, ident: str, limit: int
+) -> IdentityRecords:
+    """``ident``'s checkpoints and its ``limit`` most recent effects (names already checked)."""
+    params = {"r": resource, "i": ident, "n": limit}
+
+    def work(cursor: Any) -> tuple[Any, list[Any]]:
+        cursor.execute(ledger.ckpt_show, params)
+        ckpt = cursor.fetchone()
+        cursor.execute(ledger.effects_read, params)
+        return ckpt, cursor.fetchall()
+
+    ckpt, rows = db.run(f"identity records read of {resource!r}", work)
+    effects = [
+        EffectRecord(key, state, int(fence), receipt, from_micros(expires))
+        for key, state, fence, receipt, expires in rows
+    ]
+    if ckpt is None:
+        return IdentityRecords(None, None, effects)
+    return IdentityRecords(ckpt[1], int(ckpt[0]), effects)

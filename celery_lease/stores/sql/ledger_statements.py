@@ -35,6 +35,13 @@ class LedgerStatements:
         self.ident_read = f"""
             SELECT state, fence, owner_label, result FROM {ids}
             WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
+        self.ckpt_show = f"""
+            SELECT fence, data FROM {ckpt}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""
+        self.effects_read = f"""
+            SELECT key, state, fence, receipt, expires_us FROM {ledger}
+            WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}
+            ORDER BY expires_us DESC, key DESC LIMIT {p("n")}"""
         self.ident_full = f"""
             SELECT state, fence, owner_label, result, expires_us FROM {ids}
             WHERE resource = {p("r")} AND identity = {p("i")} AND {alive}"""

@@ -34,8 +34,10 @@ from ..._names import mask_url, validate_identifier, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
+    RECENT_EFFECTS,
     BaseLeaseStore,
     IdentityInfo,
+    IdentityRecords,
     LeasePage,
     Waiter,
     decode_cursor,
@@ -414,6 +416,12 @@ class SQLLeaseStore(BaseLeaseStore):
         validate_resource(resource)
         ident = self._identity_args(identity) or ""
         return ledger.identity_get(self._connections, self.ledger_sql, resource, ident)
+
+    def identity_records(
+        self, resource: str, identity: str, *, limit: int = RECENT_EFFECTS
+    ) -> IdentityRecords:
+        resource, ident, limit = self._records_args(resource, identity, limit)
+        return ledger.identity_records(self._connections, self.ledger_sql, resource, ident, limit)
 
     def sweep_expired(self, *, limit: int = 1000) -> int:
         return ledger.sweep(self._connections, self.ledger_sql, self._sweep_args(limit))
