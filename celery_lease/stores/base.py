@@ -36,12 +36,16 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
 12. A claim refused because other work holds the resource joins the resource's FIFO wait list
     in the same round trip (at most ``wait_cap`` waiters; an identity already waiting keeps its
     place). A waiter's place lapses ``wait_ttl`` seconds after its last refused claim.
-13. While the resource has waiters and no live lease, only the head waiter can claim it; it
-    leaves the list when it does. Every other claim is refused and queued behind.
-14. ``release`` hands over in its own round trip: the head waiter gets ``handoff_grace``
-    seconds to claim (then loses its place) and its wake payload comes back in
-    ``lease.handoff`` for the releaser to send. A claim refused by a head nobody woke within
-    the grace window gets the head's payload in ``LeaseBusyError.wake`` (the releaser died).
+13. While the resource has no live lease and its head waiter was never woken, or was woken less
+    than ``handoff_grace`` seconds ago, only the head can claim it; every other claim is refused
+    and queued behind. A head woken longer ago that has not claimed (its message waits behind
+    a backlog, or its worker is paused) keeps its place but nothing is held for it: any claim
+    may take the free resource. A waiter leaves the list when it claims.
+14. ``release`` wakes in its own round trip: the first waiter never woken (the head, in the
+    common case) is marked woken and its wake payload comes back in ``lease.handoff`` for the
+    releaser to send, unless a wake was sent less than ``handoff_grace`` ago (one wake in flight
+    at a time). A waiter is woken once. A claim refused by a head nobody woke gets the head's
+    payload in ``LeaseBusyError.wake`` (the releaser died before waking it).
 """
 
 from __future__ import annotations
@@ -158,12 +162,13 @@ class Waiter:
     identity: str
     since: datetime  # its first refused claim, store clock
     expires_at: datetime  # when its place lapses unless it claims again
-    woken: bool  # handed the resource and not yet claimed it
+    woken: bool  # woken less than the grace ago and not claimed yet (held for it at the head)
 
 
 #: Default cap on a resource's wait list; a refused claim beyond it waits with the back-off.
 DEFAULT_WAIT_CAP = 100
-#: Default seconds a woken head waiter has to claim before it loses its place.
+#: Default seconds the free resource is held for a woken head waiter (then any claim may take
+#: it; the head keeps its place).
 DEFAULT_HANDOFF_GRACE = 2.0
 
 
@@ -478,7 +483,7 @@ class BaseLeaseStore:
         self.retention = validate_ttl(retention, 3650 * 86400.0, name="retention")
         #: Most waiters a resource's wait list holds.
         self.wait_cap = DEFAULT_WAIT_CAP
-        #: Seconds a woken head waiter has to claim before it loses its place.
+        #: Seconds the free resource is held for a woken head waiter (see invariant 13).
         self.handoff_grace = DEFAULT_HANDOFF_GRACE
 
     # The checks run before any I/O so bad input never reaches a store.

@@ -59,6 +59,14 @@ class _Record:
         )
 
 
+def _wake(waiter: list[Any], until: int) -> None:
+    """Mark ``waiter`` woken until ``until`` (its place is kept as long); at the head, the free
+    resource is held for it until then. Once that passes unclaimed the waiter stays woken (never
+    woken again) and keeps its place."""
+    waiter[3] = until
+    waiter[2] = max(waiter[2], until)
+
+
 class MemoryLeaseStore(BaseLeaseStore):
     """Leases in a dict, guarded by a lock, timed by ``clock`` (epoch seconds).
 
@@ -95,16 +103,26 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._expiry: list[tuple[int, int, Any]] = []
         # resource -> FIFO wait list of [identity, since_us, expires_us, woken_until_us, payload]
         self._waits: dict[str, list[list[Any]]] = {}
+        # resource -> until when nothing is held for a woken head (a wake missed its grace)
+        self._slow: dict[str, int] = {}
 
     def _now_us(self) -> int:
         return int(self._clock() * 1_000_000)
 
     def _wait_list(self, resource: str, now: int) -> builtins.list[builtins.list[Any]]:
-        waits = [w for w in self._waits.get(resource, ()) if w[2] > now]
+        listed = self._waits.get(resource, ())
+        # A woken waiter that did not claim within its grace (its message waits behind a
+        # backlog, or its worker is paused): nothing is held for woken heads for 10 graces.
+        missed = max((w[3] for w in listed if 0 < w[3] <= now), default=0)
+        if missed:
+            hold = 10 * round(self.handoff_grace * 1e6)
+            self._slow[resource] = max(self._slow.get(resource, 0), missed + hold)
+        waits = [w for w in listed if w[2] > now]
         if waits:
             self._waits[resource] = waits
         else:
             self._waits.pop(resource, None)
+            self._slow.pop(resource, None)
         return waits
 
     def _join(
@@ -116,8 +134,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         until = now + round(wait_ttl * 1e6)
         for place, waiter in enumerate(waits, 1):
             if waiter[0] == identity:
-                if waiter[3] <= now:
-                    waiter[2] = max(waiter[2], until)
+                waiter[2] = max(waiter[2], until)
                 waiter[4] = payload
                 return place
         if len(waits) >= self.wait_cap:
@@ -172,12 +189,19 @@ class MemoryLeaseStore(BaseLeaseStore):
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
             else:
-                if waits and waits[0][0] != identity:  # reserved for the head waiter
-                    head = waits[0]
+                head = waits[0] if waits else None
+                slow = self._slow.get(resource, 0) > now
+                if (
+                    head is not None
+                    and head[0] != identity
+                    and not slow
+                    and (head[3] == 0 or head[3] > now)
+                ):
+                    # held for the head waiter (woken, within its grace): wait behind it
                     position = self._join(resource, identity, payload, wait_ttl, now)
                     wake = None
-                    if head[3] <= now:  # nobody woke it (the releaser died?): wake it now
-                        head[2] = head[3] = now + round(self.handoff_grace * 1e6)
+                    if head[3] == 0:  # nobody woke it (the releaser died?): wake it now
+                        _wake(head, now + round(self.handoff_grace * 1e6))
                         wake = head[4]
                     raise LeaseBusyError.held(
                         resource,
@@ -187,10 +211,17 @@ class MemoryLeaseStore(BaseLeaseStore):
                         position=position,
                         wake=wake,
                     )
-                if waits:  # the head claims: it leaves the list
-                    waits.pop(0)
-                    if not waits:
-                        del self._waits[resource]
+                # The head claims; or its grace passed without a claim, or a wake missed its
+                # grace lately (woken copies wait behind a backlog, or their workers are
+                # paused): the head keeps its place and this claim takes the resource rather
+                # than leaving it idle. A waiter that claims leaves the list.
+                for place, waiter in enumerate(waits):
+                    if waiter[0] == identity:
+                        del waits[place]
+                        if not waits:
+                            del self._waits[resource]
+                            self._slow.pop(resource, None)
+                        break
                 fence = self._fences.get(resource, 0) + 1
                 self._fences[resource] = fence
                 self._forced.pop(resource, None)
@@ -266,6 +297,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             lapsed = [r for r, waits in self._waits.items() if all(w[2] <= now for w in waits)]
             for resource in lapsed[: max(0, limit - removed)]:
                 del self._waits[resource]  # every place lapsed: nobody came back
+                self._slow.pop(resource, None)
                 removed += 1
         return removed
 
@@ -340,11 +372,15 @@ class MemoryLeaseStore(BaseLeaseStore):
                 return False
             del self._leases[lease.resource]
             now = self._now_us()
+            # Wake the first waiter never woken (a head woken before that missed its grace
+            # keeps its place, nothing is held for it), unless a wake was sent less than the
+            # grace ago (a backlog?): one wake in flight at a time.
             waits = self._wait_list(lease.resource, now)
-            if waits:  # hand over to the head waiter
-                head = waits[0]
-                head[2] = head[3] = now + round(self.handoff_grace * 1e6)
-                lease.handoff = head[4]
+            if not any(w[3] > now for w in waits):
+                woke = next((w for w in waits if w[3] == 0), None)
+                if woke is not None:
+                    _wake(woke, now + round(self.handoff_grace * 1e6))
+                    lease.handoff = woke[4]
             return True
 
     def waiters(self, resource: str) -> builtins.list[Waiter]:

@@ -112,15 +112,68 @@ class TestWaitList:
         wstore.release(lease)
         assert lease.handoff == "payload-b"
 
-    def test_a_head_that_does_not_come_within_grace_is_skipped(self, wstore, names):
-        """After the grace window the woken head loses its place; the next claim may proceed."""
+    def test_a_head_that_misses_its_grace_keeps_its_place_but_holds_nothing(self, wstore, names):
+        """Past the grace the free resource goes to the next claim rather than sitting idle for
+        a head whose woken copy is stuck (behind a backlog, in a paused worker); the head keeps
+        its place and claims whenever it comes. Before: the head was dropped from the list and
+        the resource held for the next head in turn."""
+        wstore.handoff_grace = 0.05
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        for w in ("slow", "b", "c"):
+            refused(wstore, r, w)
+        wstore.release(lease)
+        assert lease.handoff == "payload-slow"
+        wait_for(lambda: not wstore.waiters(r)[0].woken, 5, "the grace window to pass")
+        lease = claim(wstore, r, "c")  # a waiter behind the head takes it, and leaves the list
+        assert [w.identity for w in wstore.waiters(r)] == ["slow", "b"]
+        assert refused(wstore, r, "slow").position == 1  # refused while held: keeps its place
+        wstore.release(lease)
+        assert lease.handoff == "payload-b"  # the first waiter never woken
+        lease = claim(wstore, r, "slow")  # nothing is held for b: it is not the head
+        assert [w.identity for w in wstore.waiters(r)] == ["b"]
+        wstore.release(lease)
+        assert lease.handoff is None  # b was woken already: it is not woken twice
+        claim(wstore, r, "b")
+        assert wstore.waiters(r) == []
+
+    def test_one_wake_at_a_time_and_nothing_held_for_a_while_after_a_missed_wake(
+        self, wstore, names
+    ):
+        """A release sends no second wake while one sent less than the grace ago is unclaimed
+        (each wake is one more message behind a backlog), and once a wake missed its grace,
+        nothing is held for woken heads for 10 graces: the next claim takes the resource."""
+        wstore.handoff_grace = 1.0
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        for w in ("slow", "b", "c"):
+            refused(wstore, r, w)
+        wstore.release(lease)
+        assert lease.handoff == "payload-slow"
+        wait_for(lambda: not wstore.waiters(r)[0].woken, 5, "the grace window to pass")
+        lease = claim(wstore, r, "x")
+        wstore.release(lease)
+        assert lease.handoff == "payload-b"
+        lease = claim(wstore, r, "slow")
+        wstore.release(lease)
+        assert lease.handoff is None  # b's wake is in flight: c is not woken yet
+        assert wstore.waiters(r)[0].identity == "b" and wstore.waiters(r)[0].woken
+        lease = claim(wstore, r, "y")  # b is within its grace, but a wake missed lately
+        wstore.release(lease)
+        assert [w.identity for w in wstore.waiters(r)] == ["b", "c"]
+
+    def test_a_newcomer_may_take_the_resource_once_the_heads_grace_passed(self, wstore, names):
+        """The resource is held for the woken head only within its grace window."""
         wstore.handoff_grace = 0.05
         r = names + "r"
         lease = claim(wstore, r, "holder")
         refused(wstore, r, "slow")
         wstore.release(lease)
-        wait_for(lambda: wstore.waiters(r) == [], 5, "the grace window to pass")
-        claim(wstore, r, "other")  # the resource is not blocked forever
+        assert "hand-off" in str(refused(wstore, r, "early"))  # within the grace: queued
+        wait_for(lambda: not wstore.waiters(r)[0].woken, 5, "the grace window to pass")
+        lease = claim(wstore, r, "late")
+        assert [w.identity for w in wstore.waiters(r)] == ["slow", "early"]
+        del lease
 
     def test_an_unwoken_head_is_woken_by_the_next_refused_claim(self, wstore, names):
         """A waiter at the head of a free resource with nobody waking it (the releaser died

@@ -84,12 +84,21 @@ end
 """
 _PRELUDE = _NOW + _PARSE + _IDENT
 _WAITS = """
--- the resource's wait list, expired waiters (and their payloads) dropped; returns list, dirty
-local function wl_load(wkey, pkey, res, now)
-  local raw = redis.call('HGET', wkey, res)
-  local list, dirty = {}, false
-  if not raw then return list, dirty end
-  for id, s, e, w in string.gmatch(raw, '([^ \\n]+) (%d+) (%d+) (%d+)') do
+-- the resource's wait list, expired waiters (and their payloads) dropped; returns list, dirty.
+-- list.slow: until when (us) nothing is held for a woken head, because a wake missed its grace
+-- lately (a woken waiter did not claim in time: its message waits behind a backlog, or its
+-- worker is paused); each miss keeps it `hold` us. Kept in the waits hash as "!<resource>"
+-- (no resource name contains '!').
+local function wl_load(wkey, pkey, res, now, hold)
+  local got = redis.call('HMGET', wkey, res, '!' .. res)
+  local list, dirty = {slow = tonumber(got[2] or '0')}, false
+  if not got[1] then return list, dirty end
+  for id, s, e, w in string.gmatch(got[1], '([^ \\n]+) (%d+) (%d+) (%d+)') do
+    local woken = tonumber(w)
+    if woken ~= 0 and woken <= now and woken + hold > list.slow then
+      list.slow = woken + hold  -- woken, and did not claim within its grace
+      dirty = true
+    end
     if tonumber(e) > now then
       list[#list + 1] = {id, s, e, w}
     else
@@ -101,7 +110,7 @@ local function wl_load(wkey, pkey, res, now)
 end
 local function wl_save(wkey, xkey, res, list)
   if #list == 0 then
-    redis.call('HDEL', wkey, res)
+    redis.call('HDEL', wkey, res, '!' .. res)
     redis.call('ZREM', xkey, res)
     return
   end
@@ -111,7 +120,15 @@ local function wl_save(wkey, xkey, res, list)
     if tonumber(e[3]) > last then last = tonumber(e[3]) end
   end
   redis.call('HSET', wkey, res, table.concat(parts, '\\n'))
+  if list.slow > 0 then redis.call('HSET', wkey, '!' .. res, fmt(list.slow)) end
   redis.call('ZADD', xkey, last, res)
+end
+-- mark this waiter woken until `until_` (its place is kept at least as long); at the head, the
+-- free resource is held for it until then. Once that passes unclaimed, the waiter stays woken
+-- (never woken again) and keeps its place.
+local function wl_wake(w, until_)
+  w[4] = fmt(until_)
+  if until_ > tonumber(w[3]) then w[3] = w[4] end
 end
 """
 
@@ -119,8 +136,11 @@ end
 def _release_tail(leases: int, expiry: int, waits: int, wpay: int, grace: int) -> str:
     # KEYS[waits + 2] is the waits_exp index
     """Release the lease in KEYS[leases] if ARGV[2] (token) and ARGV[3] (fence) hold it, then
-    hand over to the head waiter: it may claim alone until now + grace (it loses its place
-    after that), and its wake payload is returned for the releaser to send."""
+    wake the first waiter never woken, unless a wake was sent less than the grace ago; its
+    wake payload is returned for the releaser to send. A woken head may claim alone until
+    now + grace. A head woken before that did not claim within its grace (its copy waits
+    behind a backlog, or its worker is paused) keeps its place, but nothing is held for it:
+    the next claim takes the resource, which does not sit idle."""
     return f"""
 local cur = redis.call('HGET', KEYS[{leases}], ARGV[1])
 if not cur then return 0 end
@@ -128,16 +148,24 @@ local tok, f = string.match(cur, '^(%x+) (%d+) ')
 if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
 redis.call('HDEL', KEYS[{leases}], ARGV[1])
 redis.call('ZREM', KEYS[{expiry}], ARGV[1])
-local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now)
-if #wl == 0 then
+-- a missed wake stops holding the resource for woken heads for 10 graces
+local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now, 10 * tonumber(ARGV[{grace}]))
+local woke = nil
+for _, w in ipairs(wl) do
+  local t = tonumber(w[4])
+  if t > now then  -- a wake sent less than the grace ago: not another one (a backlog?)
+    woke = nil
+    break
+  end
+  if t == 0 and not woke then woke = w end
+end
+if not woke then
   if dirty then wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl) end
   return 1
 end
-local head = wl[1]
-head[4] = fmt(now + tonumber(ARGV[{grace}]))
-head[3] = head[4]
+wl_wake(woke, now + tonumber(ARGV[{grace}]))
 wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl)
-return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. head[1]), head[1]}}
+return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. woke[1]), woke[1]}}
 """
 
 
@@ -150,7 +178,9 @@ ACQUIRE = (
 -- ARGV[5] identity or '', ARGV[6] retention (us), ARGV[7] wake payload or '' (join the wait
 -- list when refused; needs an identity), ARGV[8] how long the waiter's place is kept (us),
 -- ARGV[9] wait list cap, ARGV[10] hand-off grace (us)
--- While the resource has waiters and no live lease, only the head waiter may claim it.
+-- While the resource has no live lease and its head waiter was never woken, or was woken less
+-- than the grace ago, only the head waiter may claim it; once the head's grace has passed
+-- unclaimed, any claim may take the resource (the head keeps its place).
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
 --          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil}
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate,
@@ -192,13 +222,14 @@ local prev_label, prev_fence = false, false
 local fence = nil
 local acquired, exp = now, now + tonumber(ARGV[4])
 local ckpt = false
-local wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now)
+-- a missed wake stops holding the resource for woken heads for 10 graces
+local wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now, 10 * tonumber(ARGV[10]))
 local function join()  -- this claimant's place in the wait list (0: not queued)
   if ARGV[7] == '' or not member then return 0 end
   local until_ = fmt(now + tonumber(ARGV[8]))
   for k, w in ipairs(wl) do
     if w[1] == ARGV[5] then  -- already waiting: keep the place, refresh it
-      if tonumber(until_) > tonumber(w[3]) and tonumber(w[4]) <= now then w[3] = until_ end
+      if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
       redis.call('HSET', KEYS[8], member, ARGV[7])
       dirty = true
       return k
@@ -225,12 +256,13 @@ if cur then
 end
 if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
   local head = wl[1]
-  if head[1] ~= ARGV[5] then  -- reserved for the head waiter: wait behind it
+  local woken = tonumber(head[4])
+  if head[1] ~= ARGV[5] and wl.slow <= now and (woken == 0 or woken > now) then
+    -- held for the head waiter (woken, within its grace): wait behind it
     local pos = join()
     local wake = false
-    if tonumber(head[4]) <= now then  -- nobody woke it (the releaser died?): wake it now
-      head[4] = fmt(now + tonumber(ARGV[10]))
-      head[3] = head[4]
+    if woken == 0 then  -- nobody woke it (the releaser died?): wake it now
+      wl_wake(head, now + tonumber(ARGV[10]))
       wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. head[1])
       dirty = true
     end
@@ -238,9 +270,18 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
     return {0, 'the waiting task ' .. head[1] .. ' (hand-off)', tonumber(got[1] or '0'),
       tonumber(head[4]), now, epoch, 0, pos, wake}
   end
-  table.remove(wl, 1)  -- the head claims: it leaves the list
-  redis.call('HDEL', KEYS[8], member)
-  dirty = true
+  -- the head claims; or its grace passed without a claim, or a wake missed its grace lately
+  -- (woken copies wait behind a backlog, or their workers are paused): the head keeps its
+  -- place and this claim takes the resource rather than leaving it idle. A waiter that claims
+  -- leaves the list.
+  for k, w in ipairs(wl) do
+    if w[1] == ARGV[5] then
+      table.remove(wl, k)
+      redis.call('HDEL', KEYS[8], member)
+      dirty = true
+      break
+    end
+  end
 end
 if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
 if cur then
@@ -512,7 +553,7 @@ for s = 1, #KEYS / 8 do
   if left > 0 then
     local lapsed = redis.call('ZRANGEBYSCORE', KEYS[k + 8], '-inf', now, 'LIMIT', 0, left)
     for _, res in ipairs(lapsed) do
-      local wl = wl_load(KEYS[k + 6], KEYS[k + 7], res, now)
+      local wl = wl_load(KEYS[k + 6], KEYS[k + 7], res, now, 0)
       wl_save(KEYS[k + 6], KEYS[k + 8], res, wl)
     end
     left = left - #lapsed
