@@ -454,7 +454,8 @@ def previous_owner(
 
 
 def log_force_release(info: LeaseInfo) -> LeaseInfo:
-    """The one log line of an administrator's force-release (every store writes it)."""
+    """The one log line of an administrator's force-release (Redis and SQL stores; the memory
+    store, made for tests, logs nothing)."""
     log.warning(
         "force-released lease on %r held by %r with fence %d",
         info.resource,
