@@ -24,7 +24,7 @@ import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
 from ._app import _store_options, get_store
-from ._errors import LeaseBusyError, LeaseConfigError, LeaseError
+from ._errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseStoreError
 from ._lease import LeaseInfo, Owner
 from ._names import holder_task_id, validate_resource
 from ._settings import LeaseSettings
@@ -560,7 +560,10 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     and the role's rights."""
     store = _store(ctx)
     warnings = list(store.check_health())
-    probe = _probe_clock(store)
+    try:
+        probe = _probe_clock(store)
+    except LeaseStoreError as exc:  # still report the rest: it may say why (a missing right)
+        probe = {"failed": " ".join(str(exc).split())}
     skew = probe.get("clock_skew")
     if skew is not None and abs(skew) > SKEW_WARNING + probe["uncertainty"]:
         warnings.append(
@@ -577,12 +580,14 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         out["postgresql"] = facts
         warnings += more
     out["warnings"] = warnings
-    out["ok"] = not warnings
+    out["ok"] = not warnings and "failed" not in probe
     if as_json:
         _dump(ctx, out)
     else:
         ctx.obj.echo(f"store:       {store.url}")
-        if skew is None:
+        if "failed" in probe:
+            ctx.obj.echo(f"write probe: FAILED ({probe['failed']})")
+        elif skew is None:
             ctx.obj.echo(f"write probe: skipped ({probe['skipped']})")
         else:
             ctx.obj.echo(
@@ -593,7 +598,9 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
             ctx.obj.echo(f"{name + ':':<13}{value}")
         for warning in warnings:
             ctx.obj.echo(f"WARNING: {warning}")
-        ctx.obj.echo("OK" if not warnings else f"{len(warnings)} warning(s)")
+        ctx.obj.echo("OK" if out["ok"] else f"{len(warnings)} warning(s)")
+    if "failed" in probe:
+        raise CommandError(f"the write probe failed: {probe['failed']}")
     if strict and warnings:
         raise CommandError(f"{len(warnings)} warning(s) about {store.url}")
 

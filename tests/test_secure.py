@@ -263,6 +263,17 @@ class TestInitSchemaAndCheck:
         strict = run_lease("check", "--strict", env=env)
         assert strict.returncode == 1
 
+        # Without UPDATE on the lease table the write probe fails; the report still comes,
+        # and names the right and the GRANT.
+        run_as(role.admin_url, f"REVOKE UPDATE ON {prefix}_leases FROM {role.name}")
+        failed = run_lease("check", "--json", env=env)
+        assert failed.returncode == 1
+        assert "write probe failed" in one_line_error(failed)
+        report = json.loads(failed.stdout)
+        grant = f"GRANT SELECT, INSERT, UPDATE ON {prefix}_leases TO {role.name}"
+        assert not report["ok"] and grant in report["probe"]["failed"]
+        assert any(f"UPDATE on {prefix}_leases" in w and grant in w for w in report["warnings"])
+
         as_owner = run_lease("check", "--json", env={"CLI_STORE": role.admin_url,
                                                     "CLI_PREFIX": prefix})  # fmt: skip
         assert any("superuser" in w for w in json.loads(as_owner.stdout)["warnings"])
