@@ -137,8 +137,6 @@ def tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
             sa.Column("prev_label", sa.String(200), nullable=True),
             sa.Column("prev_fence", sa.BigInteger, nullable=True),
             sa.Index(f"{prefix}leases_expiry", "expires_us", "resource"),
-            # Room on each page for in-place (HOT) updates of the frequently rewritten rows.
-            postgresql_with={"fillfactor": 70},
         ),
         "meta": sa.Table(
             f"{prefix}meta",
@@ -189,4 +187,10 @@ def tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
             sa.Index(f"{prefix}checkpoints_expiry", "expires_us"),
         ),
     }
+    # Room on each page for in-place (HOT) updates of the frequently rewritten lease rows. Set
+    # by a DDL step right after CREATE TABLE (same transaction): the ``postgresql_with`` table
+    # option does the same in one statement but exists only from SQLAlchemy 2.1, and 2.0 (our
+    # minimum, the last for Python 3.10) rejects it on every dialect.
+    fillfactor = sa.DDL("ALTER TABLE %(fullname)s SET (fillfactor = 70)")  # type: ignore[no-untyped-call]  # (DDL.__init__ is unannotated)
+    sa.event.listen(tables["leases"], "after_create", fillfactor.execute_if(dialect="postgresql"))
     return metadata, tables
