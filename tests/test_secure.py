@@ -25,7 +25,12 @@ from celery_lease.stores.redis import RedisLeaseStore
 from celery_lease.stores.sql import TABLE_RIGHTS
 from tests.cli_helpers import one_line_error, run_lease
 from tests.conftest import make_store, redis_admin, unique
-from tests.tooling.secure import REDIS_ADMIN_PASSWORD, REDIS_USER_PASSWORD, redis_acl_user
+from tests.tooling.secure import (
+    REDIS_ACL_COMMANDS,
+    REDIS_ADMIN_PASSWORD,
+    REDIS_USER_PASSWORD,
+    redis_acl_user,
+)
 
 LONG = 30.0
 DENIED = r"permission denied|must be owner"
@@ -101,6 +106,43 @@ class TestRedisOverTlsAsAclUser:
         finally:
             widened.close()
             held.close()
+
+    @pytest.mark.parametrize("command", REDIS_ACL_COMMANDS)
+    def test_every_command_of_the_documented_acl_is_needed(self, request, command):
+        """Without any one command of the ACL line some store operation is refused (as a
+        LeaseStoreError, never a wrong answer): the line is no wider than the store needs."""
+        server = request.getfixturevalue("redis_secure_server")
+        with redis.Redis.from_url(server.url_for(password=REDIS_ADMIN_PASSWORD)) as admin:
+            admin.script_flush()  # SCRIPT LOAD is needed when the cache is cold
+        prefix = unique("need") + ":"
+        url = redis_acl_user(server, prefix, drop=command)
+        failed = []
+        with RedisLeaseStore(url=url, key_prefix=prefix) as store:
+            steps: list[Any] = [
+                store.check_health,
+                lambda: store.gate_admit("g", 1),
+                lambda: store.gate_highest("g"),
+                store.list,
+                lambda: store.get("n/a"),
+                lambda: store.identity_records("n/a", "job-1"),
+            ]
+            for step in steps:
+                try:
+                    step()
+                except LeaseStoreError:
+                    failed.append(step)
+            try:
+                lease = store.acquire("n/a", Owner.new(), LONG, identity="job-1")
+                store.renew(lease)
+                store.effect_begin(lease, "k")
+                store.checkpoint(lease, "{}")
+                store.release(lease, outcome="done", result="1")
+                store.identity_get("n/a", "job-1")
+                store.sweep_expired()
+                store.force_release("n/a")
+            except LeaseStoreError:
+                failed.append("lease operations")
+        assert failed, f"the store worked without {command}: drop it from the documented ACL"
 
     def test_negative_control_a_store_outside_its_users_keys_fails_every_operation(self, request):
         """A user held to another prefix can run none of the store's operations."""

@@ -49,19 +49,20 @@ REDIS_ADMIN_PASSWORD = "admin-" + secrets.token_hex(8)
 REDIS_USER_PASSWORD = "lease-" + secrets.token_hex(8)
 
 
-def redis_acl_rules(keys: str, password: str) -> list[str]:
-    """``ACL SETUSER <user> ...`` rules for the key pattern ``keys`` (``<key_prefix>*``)."""
-    return ["reset", "on", f">{password}", f"~{keys}", "resetchannels", "-@all",
-            *REDIS_ACL_COMMANDS]  # fmt: skip
+def redis_acl_rules(keys: str, password: str, drop: str = "") -> list[str]:
+    """``ACL SETUSER <user> ...`` rules for the key pattern ``keys`` (``<key_prefix>*``),
+    without the command ``drop`` (for the test that each one is needed)."""
+    commands = [command for command in REDIS_ACL_COMMANDS if command != drop]
+    return ["reset", "on", f">{password}", f"~{keys}", "resetchannels", "-@all", *commands]
 
 
-def redis_acl_user(server: Any, prefix: str, *, keys: str | None = None) -> str:
+def redis_acl_user(server: Any, prefix: str, *, keys: str | None = None, drop: str = "") -> str:
     """Create a user limited to the keys ``<prefix>*`` (or the pattern ``keys``); return its
     URL on ``server``."""
     user = f"lease{os.getpid():x}{secrets.token_hex(4)}"
     admin = redis.Redis.from_url(server.url_for(password=REDIS_ADMIN_PASSWORD))
     try:
-        rules = redis_acl_rules(keys or f"{prefix}*", REDIS_USER_PASSWORD)
+        rules = redis_acl_rules(keys or f"{prefix}*", REDIS_USER_PASSWORD, drop)
         admin.execute_command("ACL", "SETUSER", user, *rules)
     finally:
         admin.close()
