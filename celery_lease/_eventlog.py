@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from time import monotonic
 from typing import Any
 
+from ._clock import monotonic
 from ._names import mask_url
 
 __all__ = ["LOGGER", "REPEAT_WINDOW", "lease_log", "redact"]

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from . import _clock
 
 __all__ = ["IDLE_EXIT", "PER_STORE", "TOTAL", "Lanes"]
 
@@ -108,9 +109,9 @@ class Lanes:
     def _run(self, lane: _Lane) -> None:
         while True:
             with self._lock:
-                idle_until = time.monotonic() + self.idle_exit
+                idle_until = _clock.monotonic() + self.idle_exit
                 while lane.job is None:
-                    left = idle_until - time.monotonic()
+                    left = idle_until - _clock.monotonic()
                     if self._closed or left <= 0:
                         self._lanes.remove(lane)
                         if lane in self._idle:

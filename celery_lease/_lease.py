@@ -12,12 +12,12 @@ import os
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from . import _clock
 from ._codec import from_micros
 from ._errors import LeaseConfigError, LeaseLostError
 from ._interrupt import raise_if_interrupted
@@ -232,7 +232,7 @@ class Lease:
 
     def remaining(self) -> float:
         """Seconds left before the self-fence deadline (negative once it has passed)."""
-        return self.deadline - time.monotonic()
+        return self.deadline - _clock.monotonic()
 
     @property
     def lost(self) -> LeaseLostError | None:
@@ -256,7 +256,7 @@ class Lease:
         if self._lost is not None:
             raise_if_interrupted()  # a body that swallowed the interrupt gets it again
             raise self._lost
-        if time.monotonic() >= self.deadline:
+        if _clock.monotonic() >= self.deadline:
             raise_if_interrupted()
             raise self.mark_lost(LeaseLostError.lost(self.resource, self.fence, "self_fenced"))
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
+from . import _clock
 from ._errors import LeaseStoreError
 
 __all__ = ["REPORT_EVERY", "claim_failed", "claim_succeeded", "down"]
@@ -41,7 +41,7 @@ _lock = threading.Lock()
 
 def claim_failed(store: str, exc: LeaseStoreError, max_wait: float) -> None:
     """A claim on ``store`` failed: count it, and warn when no warning went out lately."""
-    now = time.monotonic()
+    now = _clock.monotonic()
     with _lock:
         outage = down.get(store)
         if outage is None:
@@ -78,7 +78,7 @@ def claim_succeeded(store: str) -> None:
             "celery_lease: the lease store %s answers again after %.1fs; %d claim%s failed in "
             "this process meanwhile",
             store,
-            time.monotonic() - outage.since,
+            _clock.monotonic() - outage.since,
             outage.failures,
             "" if outage.failures == 1 else "s",
         )

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _clock
 from . import _events as events
 from . import _failpoints as failpoints
 from ._errors import LeaseError, LeaseLostError
@@ -74,7 +75,7 @@ class Hold:
         self.lease = lease
         self.store = lease.store
         self.interval = interval
-        self.hard_deadline = time.monotonic() + max_runtime
+        self.hard_deadline = _clock.monotonic() + max_runtime
         # Counted from when the claim was sent, as the lease time and later renewals are:
         # counted from the hold (after the claim's reply), a round trip near ttl/3 made the
         # first renewal's reply arrive after the self-fence deadline.
@@ -191,7 +192,7 @@ class Renewer:
         while True:
             try:
                 with self._cond:
-                    now = time.monotonic()
+                    now = _clock.monotonic()
                     if not self._holds:
                         idle_since = idle_since or now
                         if self._closing or now - idle_since >= IDLE_EXIT:
@@ -211,7 +212,7 @@ class Renewer:
 
     def _wait(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
-        self._wake_at = time.monotonic() + seconds
+        self._wake_at = _clock.monotonic() + seconds
         self._cond.wait(seconds)
         self._wake_at = float("-inf")
 
@@ -280,7 +281,7 @@ class Renewer:
         renewed = 0
         with self._cond:
             self._calls.discard(call)
-            now = time.monotonic()
+            now = _clock.monotonic()
             current = [h for h in call.holds if h.call is call]
             for hold in current:
                 hold.call = None

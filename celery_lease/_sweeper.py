@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -33,6 +32,7 @@ from typing import Any, TypeVar
 from celery import shared_task
 from celery.utils.dispatch import Signal
 
+from . import _clock
 from . import _events as events
 from ._errors import LeaseBusyError, LeaseConfigError
 from ._lease import Lease, LeaseInfo, Owner
@@ -275,7 +275,7 @@ def _reclaim(
         max_runtime=settings.max_runtime,
         on_lost=lambda _hold, _exc: None,  # seen at release below
     )
-    started = time.monotonic()
+    started = _clock.monotonic()
     try:
         for hook in hooks:
             try:
@@ -296,7 +296,7 @@ def _reclaim(
         info.resource,
         expired.holder_label,
         expired.fence,
-        time.monotonic() - started,
+        _clock.monotonic() - started,
     )
     report.reclaimed.append(info.resource)
     events.count("celery_lease_sweeps_total", result="reclaimed")

@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import socket
-import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import fields
@@ -38,6 +37,7 @@ from celery import Task, shared_task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
+from . import _clock
 from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
@@ -291,7 +291,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         wait = None
         if settings.handoff and identity is not None and settings.on_busy == "retry" and not direct:
             wait = self._wake_payload(request, args, kwargs, settings)
-        claim_started = time.monotonic()
+        claim_started = _clock.monotonic()
         try:
             if wait is None:
                 lease = store.acquire(resource, owner, settings.ttl, identity=identity)
@@ -319,7 +319,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             woken = _header(request, WOKEN_HEADER)
             if woken is not None:
                 with contextlib.suppress(TypeError, ValueError):
-                    events.observe("celery_lease_handoff_seconds", time.time() - float(woken))
+                    events.observe("celery_lease_handoff_seconds", _clock.wall() - float(woken))
         if outage.down:  # (one dict test while the store is fine)
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
@@ -405,7 +405,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         renewer = get_renewer()
         interrupter = Interrupter()
         context_token = _current.set(lease)
-        started = time.monotonic()
+        started = _clock.monotonic()
         hold: Hold | None = None
         outcome = "failed"
         result: Any = None
@@ -476,7 +476,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 renewer.drop(hold)
             _current.reset(context_token)
             self._release(lease, outcome, result)
-            events.observe_hold(time.monotonic() - started)
+            events.observe_hold(_clock.monotonic() - started)
         failpoints.hit("after_ledger_before_ack")
         return result
 
@@ -585,7 +585,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
         try:
             message = json.loads(payload)
-            message["options"].setdefault("headers", {})[WOKEN_HEADER] = time.time()
+            message["options"].setdefault("headers", {})[WOKEN_HEADER] = _clock.wall()
             signature = self.app.signature(message)
             signature.apply_async()
         except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
@@ -694,7 +694,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         store = made.url if made is not None else mask_url(settings.store_url)
         budget = settings.store_down_max_wait
         outage.claim_failed(store, exc, budget)
-        now = time.time()
+        now = _clock.wall()
         try:
             since = float(_header(request, STORE_DOWN_HEADER) or now)
         except (TypeError, ValueError):  # not ours: start counting now
@@ -937,7 +937,7 @@ def _raw_attr(task: Any, name: str) -> Any:
 
 
 def _observe_acquire(started: float, result: str) -> None:
-    events.observe("celery_lease_acquire_seconds", time.monotonic() - started, result=result)
+    events.observe("celery_lease_acquire_seconds", _clock.monotonic() - started, result=result)
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import socket
-import time
 from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
+from . import _clock
 from ._app import _store_options, get_store
 from ._errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseStoreError
 from ._lease import LeaseInfo, Owner
@@ -437,12 +437,12 @@ def _probe_clock(store: LeaseStore) -> dict[str, Any]:
     resource = f"celery_lease-check/{host}"
     owner = Owner.new(f"celery lease check@{socket.gethostname()}:{os.getpid()}")
     ttl = min(10.0, store.max_ttl)
-    before = time.time()
+    before = _clock.wall()
     try:
         probe = store.acquire(resource, owner, ttl)
     except LeaseBusyError:
         return {"resource": resource, "skipped": "another check holds the probe lease"}
-    after = time.time()
+    after = _clock.wall()
     store.release(probe)
     local_mid = (before + after) / 2
     skew = probe.acquired_at.timestamp() - local_mid

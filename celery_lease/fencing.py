@@ -21,11 +21,11 @@ import base64
 import hashlib
 import hmac
 import re
-import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from . import _clock
 from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
 from ._interrupt import raise_if_interrupted, shielded
@@ -292,7 +292,7 @@ class FenceSigner:
     def sign(self, resource: str, fence: int, *, expires_in: float | None = None) -> str:
         """A token ``v1.<kid>.<resource b64>.<fence>.<expiry or 0>.<mac>``."""
         validate_resource(resource)
-        expiry = 0 if expires_in is None else int(time.time() + expires_in)
+        expiry = 0 if expires_in is None else int(_clock.wall() + expires_in)
         encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")
         payload = f"v1.{self.active}.{encoded}.{int(fence)}.{expiry}"
         return f"{payload}.{self._mac(self.active, payload)}"
@@ -333,7 +333,7 @@ class FenceSigner:
         except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
             raise malformed from None
         deadline = int(expiry)
-        if deadline and time.time() > deadline:
+        if deadline and _clock.wall() > deadline:
             raise InvalidFenceTokenError("fencing token expired")
         return resource, value
 

@@ -22,10 +22,9 @@ plus a few moves a test needs:
 * ``assert_no_stale_write_accepted(writes)`` and ``lease_store.assert_no_stale_write_accepted()``
   fail the test if a side effect accepted a write with an older fence after a newer one.
 
-Importing this module tells freezegun (when installed) to leave ``celery_lease`` on the real
-clocks: a frozen wall clock in your test does not stop, expire or extend a lease. Leases are
-timed by the store's clock and the worker's monotonic clock, never by the wall clock your test
-freezes.
+A frozen clock in your test (freezegun) does not stop, expire or extend a lease: the package
+times leases with the real ``time.monotonic`` and ``time.time``, kept where freezegun does not
+patch them, while your task bodies see the frozen clock like the rest of your code.
 """
 
 from __future__ import annotations
@@ -50,13 +49,6 @@ __all__ = [
     "send_twice",
     "using_store",
 ]
-
-try:  # a frozen wall clock must not move leases: keep celery_lease on the real clocks
-    import freezegun
-except ImportError:  # pragma: no cover - freezegun is optional
-    pass
-else:
-    freezegun.configure(extend_ignore_list=["celery_lease"])
 
 
 @dataclass(frozen=True)

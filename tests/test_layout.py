@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "foundation",
         {
+            "_clock",
             "_errors",
             "_failpoints",
             "_interrupt",

@@ -101,10 +101,9 @@ sys.path.insert(0, os.getcwd())
 import freezegun
 import celery_lease.testing
 from celery_lease.testing import TestLeaseStore, using_store
-if os.environ["CONTROL"] == "1":  # what freezegun does without celery_lease's ignore entry
-    freezegun.configure(default_ignore_list=[
-        n for n in freezegun.config.settings.default_ignore_list if n != "celery_lease"
-    ])
+if os.environ["CONTROL"] == "1":  # the library reading time.* as user code does
+    import celery_lease._clock
+    celery_lease._clock._REAL[:] = [lambda: time.monotonic(), lambda: time.time()]
 from tests.user_suite import myapp
 myapp.app.conf.task_always_eager = True
 frozen = freezegun.freeze_time(datetime.datetime(2030, 1, 1))
@@ -137,3 +136,44 @@ def test_a_frozen_wall_clock_does_not_move_a_lease(control: str, expected: str) 
     run = _run(["-c", textwrap.dedent(FROZEN)], {"CONTROL": control})
     assert run.stdout.strip().splitlines()[-1:] == [expected], run.stdout + run.stderr
     assert time.monotonic() - started < 60
+
+
+DEPTH = """
+import datetime, json, os, sys, time
+sys.path.insert(0, os.getcwd())
+import freezegun
+import celery_lease.testing  # as the pytest plugin does
+from celery import Celery
+from celery_lease import lease_task
+from celery_lease.testing import using_store
+
+app = Celery("depth", broker="memory://", backend="cache+memory://")
+app.conf.task_always_eager = True
+
+
+def h0(): return time.time()
+def h1(): return h0()
+def h2(): return h1()
+def h3(): return h2()
+
+
+@lease_task(app=app, resource="r/{n}")
+def body(n):
+    return [time.time(), h0(), h1(), h2(), h3(), time.monotonic(),
+            datetime.datetime.now().timestamp()]
+
+
+with using_store(), freezegun.freeze_time(datetime.datetime(2030, 1, 1)):
+    print(json.dumps({"outside": [time.time(), time.monotonic()], "body": body.delay(1).get()}))
+"""
+
+
+def test_a_task_body_sees_the_frozen_clock_at_any_depth() -> None:
+    """Only the library's lease timing keeps the real clock; the user's body code is frozen."""
+    import json
+
+    run = _run(["-c", textwrap.dedent(DEPTH)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    frozen_wall, frozen_monotonic = seen["outside"]
+    assert seen["body"] == [frozen_wall] * 5 + [frozen_monotonic, frozen_wall], seen

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import ast
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _clock
 from .._errors import LeaseError
 from .._eventlog import redact
 
@@ -97,7 +97,7 @@ def _current(app: Any, resource: str, task_id: str | None) -> str:
     from .._app import get_store
 
     key = (id(app), resource)
-    now = time.monotonic()
+    now = _clock.monotonic()
     with _lock:
         cached = _cache.get(key)
     if cached is not None and now - cached[0] < CACHE_SECONDS:

@@ -53,12 +53,12 @@ from __future__ import annotations
 import builtins
 import errno
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from .. import _clock
 from .._codec import from_micros
 from .._errors import LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
@@ -636,4 +636,4 @@ def _prefix_ok(prefix: str) -> bool:
 
 def monotonic() -> float:
     """The clock whose readings mark when a claim or renewal was sent."""
-    return time.monotonic()
+    return _clock.monotonic()

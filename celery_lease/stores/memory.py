@@ -11,11 +11,11 @@ import bisect
 import builtins
 import heapq
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _clock
 from .._codec import decode, from_micros
 from .._errors import IdentityDoneError, LeaseBusyError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
@@ -85,7 +85,7 @@ class MemoryLeaseStore(BaseLeaseStore):
     ) -> None:
         super().__init__(max_ttl=max_ttl, retention=retention)
         self.url = "memory://"
-        self._clock = clock or time.time
+        self._clock = clock or _clock.wall
         self._lock = threading.Lock()
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}

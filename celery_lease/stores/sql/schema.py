@@ -16,6 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
 
+from ... import _clock
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._names import show_value
 from .connection import Connections, first_line, permission_denied
@@ -73,7 +74,7 @@ def create_tables(
     # Many workers may start at once on a new prefix: on PostgreSQL the DDL runs under a
     # transaction-scoped advisory lock; anywhere, a clash is retried with jittered backoff.
     lock_key = zlib.crc32(f"celery_lease schema {tables['leases'].name}".encode())
-    deadline = time.monotonic() + 30.0
+    deadline = _clock.monotonic() + 30.0
     delay = 0.05
     while True:
         # A server that cannot be reached fails now, within the connect timeout, saying
@@ -96,7 +97,7 @@ def create_tables(
                     "SQLLeaseStore(url=OWNER_URL).create_tables() and grant_statements(role)); "
                     "the store's own role then needs no right to create anything"
                 ) from None
-            if time.monotonic() > deadline:
+            if _clock.monotonic() > deadline:
                 raise LeaseStoreError(
                     f"could not create the lease tables in {connections.url}: {exc}"
                 ) from exc
