@@ -74,7 +74,7 @@ class TestLeaseStore(MemoryLeaseStore):
         super().__init__(**options)
         self.url = "memory://testing"
         self._paused = 0
-        self._log_lock = threading.Lock()
+        self._pause_lock = threading.Lock()
         self.gate_log: list[GateDecision] = []
 
     def expire(self, resource: str) -> LeaseInfo | None:
@@ -97,12 +97,12 @@ class TestLeaseStore(MemoryLeaseStore):
     @contextlib.contextmanager
     def paused_renewals(self) -> Iterator[None]:
         """Fail every renewal in this store while the block runs (see ``paused_renewals()``)."""
-        with self._log_lock:
+        with self._pause_lock:
             self._paused += 1
         try:
             yield
         finally:
-            with self._log_lock:
+            with self._pause_lock:
                 self._paused -= 1
 
     def renew_many(
@@ -112,15 +112,14 @@ class TestLeaseStore(MemoryLeaseStore):
             raise LeaseStoreError("renewals are paused by celery_lease.testing.paused_renewals()")
         return super().renew_many(leases, ttl)
 
-    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
-        admitted, highest = super().gate_admit(key, fence)
-        with self._log_lock:
-            self.gate_log.append(GateDecision(key, int(fence), admitted, highest))
-        return admitted, highest
+    def _gate_decided(self, key: str, fence: int, admitted: bool, highest: int) -> None:
+        # Under the store lock, with the decision: logged after it, another thread's admit
+        # could be logged first and the log would show an order the gate never saw.
+        self.gate_log.append(GateDecision(key, int(fence), admitted, highest))
 
     def assert_no_stale_write_accepted(self) -> None:
         """Fail if a fence gate of this store admitted an older fence after a newer one."""
-        with self._log_lock:
+        with self._lock:
             admitted = [(d.key, d.fence) for d in self.gate_log if d.admitted]
         assert_no_stale_write_accepted(admitted)
 

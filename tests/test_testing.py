@@ -177,3 +177,41 @@ def test_a_task_body_sees_the_frozen_clock_at_any_depth() -> None:
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     frozen_wall, frozen_monotonic = seen["outside"]
     assert seen["body"] == [frozen_wall] * 5 + [frozen_monotonic, frozen_wall], seen
+
+
+def test_the_gate_log_is_in_the_order_the_gate_decided() -> None:
+    """A decision is logged with it: a later admit cannot slip into the log ahead of it."""
+    import threading
+
+    from celery_lease import FenceGate
+
+    store = TestLeaseStore()
+    first_logging, second_done = threading.Event(), threading.Event()
+
+    under_store_lock = []
+
+    class HeldLog(list):  # holds the first decision between the gate's choice and its log line
+        def append(self, decision) -> None:
+            under_store_lock.append(store._lock.locked())
+            if decision.fence == 1:
+                first_logging.set()
+                second_done.wait(2.0)  # logged apart from the decision, fence 2 gets in here
+            super().append(decision)
+
+    store.gate_log = HeldLog()
+    gate = FenceGate(store=store)
+
+    def second() -> None:
+        gate.admit("invoice:17", 2)
+        second_done.set()
+
+    first = threading.Thread(target=gate.admit, args=("invoice:17", 1))
+    first.start()
+    assert first_logging.wait(30)
+    other = threading.Thread(target=second)
+    other.start()
+    first.join(30)
+    other.join(30)
+    assert under_store_lock == [True, True]  # logged with the decision, not after it
+    assert [d.fence for d in store.gate_log] == [1, 2]
+    store.assert_no_stale_write_accepted()

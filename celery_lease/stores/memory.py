@@ -514,9 +514,14 @@ class MemoryLeaseStore(BaseLeaseStore):
         with self._lock:
             highest = self._gates.get(key)
             if highest is not None and highest > fence:
+                self._gate_decided(key, fence, False, highest)
                 return False, highest
             self._gates[key] = int(fence)
+            self._gate_decided(key, fence, True, int(fence))
             return True, int(fence)
+
+    def _gate_decided(self, key: str, fence: int, admitted: bool, highest: int) -> None:
+        """Called under the store lock with each gate decision, in the order they were made."""
 
     def gate_highest(self, key: str) -> int | None:
         with self._lock:
