@@ -1,11 +1,11 @@
 """Hand-off on release with real workers (issue 10): FIFO order, no overlap, the back-stop.
 
 Waiters are made to arrive one at a time: each is sent only once the one before was refused
-(its RETRY is reported), so the arrival order is known. With the hand-off, bodies run in that
-order; without it (``identity=False``: the back-off alone, the negative control) later arrivals
-overtake earlier ones. A releaser SIGKILLed after its release and before it sends the head
-waiter's message (failpoint ``before_wake``) leaves the waiter to its back-stop copy: it still
-runs, exactly once.
+(its RETRY is reported), so the arrival order is known. With the hand-off (``lease_handoff``),
+bodies run in that order; without it (``lease_handoff=False``, or ``identity=False``: the
+back-off alone, the negative controls) later arrivals overtake earlier ones. A releaser
+SIGKILLed after its release and before it sends the head waiter's message (failpoint
+``before_wake``) leaves the waiter to its back-stop copy: it still runs, exactly once.
 """
 
 from __future__ import annotations
@@ -61,15 +61,20 @@ def test_waiters_run_in_arrival_order_without_overlap(
         store.close()
 
 
+@pytest.mark.parametrize("off", ["lease_handoff=False", "identity=False"])
 def test_negative_control_with_the_back_off_alone_later_arrivals_overtake(
-    it_app, start_worker, store_env, events, queue
+    it_app, start_worker, store_env, events, queue, off
 ):
-    """identity=False: no wait list; the jittered back-off lets later arrivals in first."""
+    """The off switch, or no identity: no wait list; the jittered back-off lets later arrivals
+    in first."""
     env = {**store_env("redis"), **ENV}
+    if off == "lease_handoff=False":
+        env["CL_HANDOFF"] = "0"
     for _ in range(2):
         start_worker(env, queue=queue, pool="threads", concurrency=3)
     n = unique("f")
-    results = _queue_up(it_app.fifo_hold_backoff, events, queue, n)
+    task = it_app.fifo_hold if off == "lease_handoff=False" else it_app.fifo_hold_backoff
+    results = _queue_up(task, events, queue, n)
     order, overlaps = _order(events, n, results)
     assert overlaps == 0
     assert order != list(range(WAITERS + 1)), "the back-off alone happened to keep FIFO order"

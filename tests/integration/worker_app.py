@@ -37,7 +37,6 @@ app.conf.update(
     lease_ttl=float(env.get("CL_TTL", "1.0")),
     lease_key_prefix=env.get("CL_PREFIX", "celery_lease:"),
     lease_table_prefix=env.get("CL_TABLE_PREFIX", "celery_lease_"),
-    lease_handoff=env.get("CL_HANDOFF") == "1",
     lease_busy_backoff_base=float(env.get("CL_BACKOFF_BASE", "0.05")),
     lease_busy_backoff_cap=float(env.get("CL_BACKOFF_CAP", "0.3")),
     lease_lost_retry_delay=float(env.get("CL_LOST_DELAY", "0.2")),
@@ -48,6 +47,8 @@ app.conf.update(
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
 )
+if env.get("CL_HANDOFF"):  # unset: the library's default
+    app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 if env.get("CL_VISIBILITY"):
