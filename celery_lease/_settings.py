@@ -22,7 +22,9 @@ __all__ = [
     "MIN_STORE_CALL",
     "SETTINGS_DOC",
     "LeaseSettings",
+    "Resolved",
     "did_you_mean",
+    "forget_resolved_settings",
 ]
 
 ON_BUSY = ("retry", "skip", "fail")
@@ -39,6 +41,22 @@ DEFAULT_RENEW_FRACTION = 1 / 3
 DEFAULT_MARGIN_FRACTION = 0.25
 #: Seconds identity, ledger and checkpoint records are kept after their last write (7 days).
 DEFAULT_RETENTION = 7 * 86400.0
+
+
+class Resolved:  # a namespace: one attribute read per call, as cheap as a global
+    """What tasks resolved: ``generation`` changes when :func:`forget_resolved_settings` runs."""
+
+    generation = 0
+
+
+def forget_resolved_settings() -> None:
+    """Make every lease task resolve its settings (and store) again at its next call.
+
+    A task resolves ``app.conf`` and its own ``lease_*`` attributes once, at its first call,
+    and keeps the result. ``celery_lease.testing`` calls this around every test, so a setting a
+    test changes (``app.conf.lease_ttl = 1``) is not shadowed by what an earlier test resolved.
+    """
+    Resolved.generation += 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,7 +59,7 @@ from ._lease import Lease, Owner
 from ._names import IDENTITY_RULE, did_you_mean, mask_url, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._renewer import Hold, get_renewer
-from ._settings import LeaseSettings
+from ._settings import LeaseSettings, Resolved
 from ._template import NameTemplate
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_handoff: bool | None = None
     lease_retention: float | None = None
 
-    _lease_settings_cache: LeaseSettings | None = None
+    _lease_settings_cache: tuple[int, LeaseSettings] | None = None  # (Resolved.generation, ..)
     _lease_compiled: _TaskSetup | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -205,17 +205,22 @@ class LeaseTask(Task):  # type: ignore[misc]
     @property
     def lease_settings(self) -> LeaseSettings:
         """This task's resolved settings (app ``lease_*`` keys overlaid with its own)."""
-        settings = self._lease_settings_cache
-        if settings is None:
-            settings = LeaseSettings.resolve(self.app.conf, self._lease_overrides())
-            self._lease_settings_cache = settings
+        cached = self._lease_settings_cache
+        if cached is not None and cached[0] == Resolved.generation:
+            return cached[1]
+        settings = LeaseSettings.resolve(self.app.conf, self._lease_overrides())
+        self._lease_settings_cache = (Resolved.generation, settings)
         return settings
 
     # -- the resource --------------------------------------------------------------------------
     def _compiled(self) -> _TaskSetup:
         """Settings, store and name templates of this task, worked out once per process."""
         compiled = self._lease_compiled
-        if compiled is None or compiled.pid != os.getpid():
+        if (
+            compiled is None
+            or compiled.pid != os.getpid()
+            or compiled.generation != Resolved.generation
+        ):
             compiled = self._lease_compiled = _TaskSetup(self)
         return compiled
 
@@ -863,10 +868,20 @@ class _TaskSetup:
     Holds the task's resolved ``settings``; the ``resource`` and ``identity`` templates
     (:class:`NameTemplate`, or None); ``dedup`` (whether calls carry an identity); the ``store``
     (made at the first claim, see :meth:`current_store`); ``busy_cap`` (the longest busy wait,
-    from the broker's visibility timeout); and the ``pid`` it was made in.
+    from the broker's visibility timeout); and the ``pid`` and settings ``generation`` it was
+    made in (see :func:`forget_resolved_settings`).
     """
 
-    __slots__ = ("busy_cap", "dedup", "identity", "pid", "resource", "settings", "store")
+    __slots__ = (
+        "busy_cap",
+        "dedup",
+        "generation",
+        "identity",
+        "pid",
+        "resource",
+        "settings",
+        "store",
+    )
 
     def __init__(self, task: LeaseTask) -> None:
         if eventlet_patched():
@@ -876,6 +891,7 @@ class _TaskSetup:
                 "-P prefork, threads, solo or gevent"
             )
         self.pid = os.getpid()
+        self.generation = Resolved.generation  # (forget_resolved_settings() makes a new one)
         self.settings = task.lease_settings
         self.busy_cap: float | None = None  # (see LeaseTask._busy_cap)
         self.store: LeaseStore | None = None  # made at the first claim (current_store)

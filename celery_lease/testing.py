@@ -39,12 +39,14 @@ from ._app import override_store
 from ._errors import LeaseLostError, LeaseStoreError
 from ._lease import Lease, LeaseInfo
 from ._names import validate_resource
+from ._settings import forget_resolved_settings
 from .stores.memory import MemoryLeaseStore
 
 __all__ = [
     "GateDecision",
     "TestLeaseStore",
     "assert_no_stale_write_accepted",
+    "forget_resolved_settings",
     "paused_renewals",
     "send_twice",
     "using_store",
@@ -203,6 +205,13 @@ try:
 except ImportError:  # pragma: no cover - the plugin part needs pytest
     pass
 else:
+
+    @pytest.fixture(autouse=True)
+    def _lease_settings_per_test() -> Iterator[None]:
+        """Each test's lease tasks resolve ``app.conf`` afresh (not what an earlier test did)."""
+        forget_resolved_settings()
+        yield
+        forget_resolved_settings()
 
     @pytest.fixture
     def lease_store() -> Iterator[TestLeaseStore]:

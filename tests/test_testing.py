@@ -215,3 +215,72 @@ def test_the_gate_log_is_in_the_order_the_gate_decided() -> None:
     assert under_store_lock == [True, True]  # logged with the decision, not after it
     assert [d.fence for d in store.gate_log] == [1, 2]
     store.assert_no_stale_write_accepted()
+
+
+def _run_suite(where: Path, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a user's small suite (``files``, with the plugin opted in) in its own pytest."""
+    files = {"conftest.py": 'pytest_plugins = ["celery_lease.testing"]\n', **files}
+    for name, text in files.items():
+        (where / name).write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "."],
+        cwd=where,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(where)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+LATER_TTL_APP = """
+    import time
+
+    from celery import Celery
+
+    from celery_lease import current_lease, lease_task
+
+    app = Celery("later_ttl", broker="memory://", backend="cache+memory://")
+    app.conf.task_always_eager = True
+
+
+    @lease_task(app=app, resource="browser/account-{account_id}", max_retries=0)
+    def drive_browser(account_id, seconds):
+        lease = current_lease()
+        for _ in range(round(seconds / 0.02)):
+            lease.check()
+            time.sleep(0.02)
+        return lease.ttl
+"""
+
+LATER_TTL_TESTS = """
+    import pytest
+
+    from celery_lease import LeaseLostError
+    from celery_lease.testing import paused_renewals
+    from later_ttl import app, drive_browser
+
+
+    def test_first_runs_with_the_default_ttl(lease_store):
+        assert drive_browser.delay(1, 0.1).get() == 60.0
+
+
+    def test_a_later_test_sets_a_short_ttl(lease_store, monkeypatch):
+        monkeypatch.setitem(app.conf, "lease_ttl", 1.0)
+        with paused_renewals(), pytest.raises(LeaseLostError):
+            drive_browser.delay(2, 3.0).get()
+        assert lease_store.get("browser/account-2") is None
+
+
+    def test_and_the_next_test_has_the_default_again(lease_store):
+        assert drive_browser.delay(3, 0.1).get() == 60.0
+"""
+
+
+def test_a_later_test_s_settings_are_not_shadowed_by_an_earlier_run(tmp_path: Path) -> None:
+    """Settings a task resolved in one test are forgotten before the next test runs."""
+    run = _run_suite(
+        tmp_path, {"later_ttl.py": LATER_TTL_APP, "test_later_ttl.py": LATER_TTL_TESTS}
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "3 passed" in run.stdout
