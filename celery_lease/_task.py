@@ -912,6 +912,9 @@ class _TaskSetup:
         """The store this call claims in: a test's override, else the app's (made once)."""
         override = overridden_store()
         if override is not None:
+            adopt = getattr(override, "adopt_app_options", None)  # celery_lease.testing's store
+            if adopt is not None:
+                adopt({"retention": self.settings.retention, **self.settings.store_options})
             return override
         store = self.store
         if store is None:

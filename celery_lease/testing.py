@@ -38,7 +38,7 @@ from typing import Any
 from ._app import override_store
 from ._errors import LeaseLostError, LeaseStoreError
 from ._lease import Lease, LeaseInfo
-from ._names import validate_resource
+from ._names import validate_resource, validate_ttl
 from ._settings import forget_resolved_settings
 from .stores.memory import MemoryLeaseStore
 
@@ -75,9 +75,22 @@ class TestLeaseStore(MemoryLeaseStore):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.url = "memory://testing"
+        self._given = frozenset(options)  # options given here win over the app's
         self._paused = 0
         self._pause_lock = threading.Lock()
         self.gate_log: list[GateDecision] = []
+
+    def adopt_app_options(self, options: Mapping[str, Any]) -> None:
+        """Take the options every store takes (``max_ttl``, ``retention``) from an app's settings.
+
+        A lease task calls this with its app's ``lease_store_options`` (and ``lease_retention``)
+        before it claims, so a ttl the app's real store accepts is accepted here too. Options
+        given to the constructor are kept; backend options (``key_prefix``,
+        ``statement_timeout``, ...) mean nothing to an in-memory store and are ignored.
+        """
+        for name, limit in (("max_ttl", 365 * 86400.0), ("retention", 3650 * 86400.0)):
+            if name in options and name not in self._given:
+                setattr(self, name, validate_ttl(options[name], limit, name=name))
 
     def expire(self, resource: str) -> LeaseInfo | None:
         """Make the current lease on ``resource`` look expired, as after its holder crashed.

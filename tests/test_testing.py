@@ -284,3 +284,49 @@ def test_a_later_test_s_settings_are_not_shadowed_by_an_earlier_run(tmp_path: Pa
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "3 passed" in run.stdout
+
+
+STORE_OPTIONS_APP = """
+    from celery import Celery
+
+    from celery_lease import current_lease, lease_task
+
+    app = Celery("with_options", broker="memory://", backend="cache+memory://")
+    app.conf.lease_store_url = "sqlite:///leases.db"
+    app.conf.lease_store_options = {"max_ttl": 1800, "table_prefix": "myapp_"}
+    app.conf.task_always_eager = True
+
+
+    @lease_task(app=app, resource="report/{n}", ttl=900)
+    def build_report(n):
+        return current_lease().fence
+"""
+
+STORE_OPTIONS_TESTS = """
+    import pytest
+
+    from celery_lease import LeaseConfigError
+    from celery_lease.testing import TestLeaseStore, using_store
+    from with_options import build_report
+
+
+    def test_the_fixture_takes_the_app_s_max_ttl(lease_store):
+        assert build_report.delay(1).get() == 1
+        assert lease_store.max_ttl == 1800
+
+
+    def test_a_store_made_with_its_own_max_ttl_keeps_it():
+        with using_store(TestLeaseStore(max_ttl=600)):
+            with pytest.raises(LeaseConfigError, match="max_ttl"):
+                build_report.delay(1).get()
+"""
+
+
+def test_the_test_store_honours_the_app_s_store_options(tmp_path: Path) -> None:
+    """max_ttl from lease_store_options applies under the fixture; backend options are ignored."""
+    run = _run_suite(
+        tmp_path, {"with_options.py": STORE_OPTIONS_APP, "test_options.py": STORE_OPTIONS_TESTS}
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "2 passed" in run.stdout
+    assert not (tmp_path / "leases.db").exists()  # the app's own store was never made
