@@ -1,10 +1,13 @@
 """The demo: two real workers, and each failure celery_lease exists for injected in turn.
 
-    python -m example_project.run [--store URL] [--broker URL]
+    python -m example_project.run [--store URL] [--broker URL] [--only TEXT] [--keep-world PATH]
 
 By default everything is embedded (SQLite store, kombu's SQLAlchemy transport on SQLite, no
 servers). Each scenario is checked against what the outside world recorded (example_project/proj/
-gateway.py), not against logs; the exit status is non-zero if any invariant failed.
+gateway.py), not against logs; every figure in the evidence column is counted from those tables
+in this run; the exit status is non-zero if any invariant failed. ``--keep-world`` copies the
+tables out for a test to count again; DEMO_GATEWAY_FENCE_CHECK=off switches the gateway's
+fence check off (a negative control: stale writes then get through and are counted).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import argparse
 import itertools
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -185,18 +190,20 @@ def worker_paused(demo: Demo) -> None:
     refused = demo.count(
         "SELECT count(*) FROM writes WHERE resource LIKE '%browser/account-7' AND accepted = 0"
     )
+    stale = stale_writes_accepted(demo, "%browser/account-7")
     a_fences = sorted(
         {r[0] for r in demo.world.query("SELECT fence FROM events WHERE job = 'session-A'")}
     )
     demo.expect(second_fence > fence, "the paused worker's lease was taken over")
     demo.expect(len(a_fences) >= 2, "the paused session stopped and ran again under a new fence")
+    demo.expect(stale == 0, f"the gateway accepted {stale} stale writes for account 7")
     demo.rows.append(
         (
             f"worker paused past its ttl: SIGSTOP {victim} mid-session, SIGCONT later",
             f"lease expired; session B drove account 7 with fence {second_fence}; the paused "
             f"session stopped on waking and ran again later (its fences {a_fences})",
             "self-fencing on the worker's monotonic clock; the fence checked by the tool gateway",
-            f"stale writes refused by the gateway: {refused}; stale writes accepted: 0",
+            f"stale writes refused by the gateway: {refused}; stale writes accepted: {stale}",
         )
     )
 
@@ -209,14 +216,19 @@ def slow_model(demo: Demo) -> None:
     result = demo.result(research.apply_async(("job-1", calls)))
     took = time.monotonic() - started
     fences = {r[0] for r in demo.world.query("SELECT fence FROM events WHERE job = 'job-1'")}
+    claims = demo.count("SELECT count(*) FROM events WHERE kind = 'claimed' AND job = 'job-1'")
+    takeovers = demo.count(
+        "SELECT count(*) FROM events WHERE kind = 'claimed' AND job = 'job-1' AND detail != 'null'"
+    )
     demo.expect(len(fences) == 1, f"the slow job kept its one lease (fences {sorted(fences)})")
+    demo.expect(claims == 1 and takeovers == 0, f"{claims} claims, {takeovers} takeovers")
     demo.expect(result["steps"] == len(calls), "every model call finished")
     demo.rows.append(
         (
             f"slow model response: one call of {calls[1]:.1f} s on a {TTL:.0f} s ttl",
             "renewed in the background; never expired, never taken over",
             "renewal with a hard runtime cap; checkpoints between steps",
-            f"{took:.1f} s under fence {min(fences)}; claims: 1; takeovers: 0",
+            f"{took:.1f} s under fence {min(fences)}; claims: {claims}; takeovers: {takeovers}",
         )
     )
 
@@ -227,9 +239,11 @@ def duplicate_delivery(demo: Demo) -> None:
     task_id = str(uuid.uuid4())
     first = send_invoice.apply_async((18, 0.5), task_id=task_id)
     second = send_invoice.apply_async((18, 0.5), task_id=task_id)  # the broker delivers twice
+    resent = send_invoice.apply_async((18,))  # a caller resends: new task id
+    sent = [first, second, resent]
     demo.result(first)
     demo.result(second)
-    third = demo.result(send_invoice.apply_async((18,)))  # a caller resends: new task id
+    third = demo.result(resent)
     ran = demo.count("SELECT count(*) FROM events WHERE kind = 'charged' AND job = 'invoice-18'")
     charges = demo.count("SELECT count(*) FROM charges WHERE invoice = 18")
     demo.expect(ran == 1 and charges == 1, f"invoice 18 ran once ({ran} runs, {charges} charges)")
@@ -238,7 +252,7 @@ def duplicate_delivery(demo: Demo) -> None:
             "duplicate delivery: one message twice, then resent with a new task id",
             "the copies found the identity running or done; none ran the body again",
             "unique task identity (invoice:{invoice_id}) checked in the claim",
-            f"deliveries: 3; bodies run: {ran}; charges: {charges}; "
+            f"deliveries: {len(sent)}; bodies run: {ran}; charges: {charges}; "
             f"the resent copy got {third['charge']}",
         )
     )
@@ -286,6 +300,16 @@ SCENARIOS = [
 ]
 
 
+def stale_writes_accepted(demo: Demo, resource_like: str) -> int:
+    """Writes the gateway accepted with a lower fence than one it had accepted before."""
+    return demo.count(
+        "SELECT count(*) FROM writes w WHERE w.accepted = 1 AND w.resource LIKE ? AND w.fence < "
+        "(SELECT max(p.fence) FROM writes p WHERE p.resource = w.resource AND p.accepted = 1 "
+        "AND p.id < w.id)",
+        resource_like,
+    )
+
+
 def world_invariants(demo: Demo) -> None:
     """Over everything the gateway saw: no stale write accepted, every invoice charged once."""
     newest: dict[str, int] = {}
@@ -317,7 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", help="lease store URL (default: SQLite in a temp dir)")
     parser.add_argument("--broker", help="broker URL (default: SQLite in a temp dir)")
+    parser.add_argument(
+        "--only", metavar="TEXT", help="run only the scenarios whose title contains TEXT"
+    )
+    parser.add_argument(
+        "--keep-world", metavar="PATH", help="copy the gateway's SQLite tables to PATH at the end"
+    )
     options = parser.parse_args(argv)
+    scenarios = [(t, f) for t, f in SCENARIOS if options.only is None or options.only in t]
     with tempfile.TemporaryDirectory(prefix="celery-lease-demo-") as tmp:
         os.environ["EXAMPLE_DATA"] = tmp
         if options.store or options.broker:
@@ -338,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         demo.start_worker()
         demo.start_worker()
         try:
-            for step, (title, scenario) in enumerate(SCENARIOS, 1):
-                progress(step, len(SCENARIOS), f"{title} ...")
+            for step, (title, scenario) in enumerate(scenarios, 1):
+                progress(step, len(scenarios), f"{title} ...")
                 began = time.monotonic()
                 scenario(demo)
                 print(f"      done in {time.monotonic() - began:.1f} s", flush=True)
@@ -351,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--- {name} log (last lines) ---\n{tail}", file=sys.stderr)
             raise
         demo.stop_all()
+        if options.keep_world:  # for tests that count the evidence again on their own
+            with (
+                closing(sqlite3.connect(demo.world.path)) as src,
+                closing(sqlite3.connect(options.keep_world)) as dst,
+            ):
+                src.backup(dst)
         print()
         print(table(demo.rows))
         print()

@@ -33,6 +33,7 @@ def gateway() -> Gateway:
 def research(self: Any, job_id: str, model_seconds: list[float]) -> dict[str, Any]:
     """Steps of slow model calls; each finished step is a checkpoint a new owner resumes from."""
     lease = current_lease()
+    gateway().event("claimed", job_id, lease.fence, lease.previous_fence)  # None: no takeover
     done = dict(lease.checkpoints)
     for step, seconds in enumerate(model_seconds):
         name = f"step-{step}"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +17,11 @@ from tests.integration.harness import ROOT
 pytestmark = pytest.mark.integration
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", *args],
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -23,17 +29,83 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_demo_injects_every_failure_and_every_invariant_holds():
-    """Two real workers; crash, pause, slow call, duplicate and burst; evidence from the run."""
-    done = _run("example_project.run")
+def _figure(out: str, name: str) -> int:
+    """A counted figure from the evidence column (``name: N``); exactly one in the output."""
+    found = re.findall(rf"(?:^|; |:\s+){re.escape(name)}: (\d+)", out, re.MULTILINE)
+    assert len(found) == 1, (name, found, out[-3000:])
+    return int(found[0])
+
+
+def _stale_accepted(world: Path, resource_like: str) -> int:
+    """Counted here, apart from the demo: accepted writes older than one accepted before."""
+    newest: dict[str, int] = {}
+    stale = 0
+    with closing(sqlite3.connect(world)) as db:
+        rows = db.execute(
+            "SELECT resource, fence FROM writes WHERE accepted = 1 AND resource LIKE ? ORDER BY id",
+            (resource_like,),
+        ).fetchall()
+    for resource, fence in rows:
+        stale += fence < newest.get(resource, fence)
+        newest[resource] = max(fence, newest.get(resource, fence))
+    return stale
+
+
+def _count(world: Path, sql: str) -> int:
+    with closing(sqlite3.connect(world)) as db:
+        return int(db.execute(sql).fetchone()[0])
+
+
+def test_the_demo_injects_every_failure_and_every_invariant_holds(tmp_path):
+    """Two real workers; crash, pause, slow call, duplicate and burst; evidence from the run,
+    each figure checked against the gateway's tables counted again here."""
+    world = tmp_path / "world.db"
+    done = _run("example_project.run", "--keep-world", str(world))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out = done.stdout
     for line in ("worker crash", "paused past its ttl", "slow model", "duplicate", "hot resource"):
-        assert line in done.stdout
-    assert "charges for invoice 17: 1; reconciliations: 1" in done.stdout
-    assert "stale writes accepted: 0" in done.stdout
-    assert "bodies run: 1; charges: 1" in done.stdout
-    assert "overlaps: 0" in done.stdout
-    assert "all invariants held" in done.stdout
+        assert line in out
+    charges = "SELECT count(*) FROM charges WHERE invoice = "
+    claimed = "SELECT count(*) FROM events WHERE kind = 'claimed' AND job = 'job-1'"
+    counted = {
+        "charges for invoice 17": _count(world, charges + "17"),
+        "reconciliations": _count(world, "SELECT count(*) FROM events WHERE kind = 'reconciled'"),
+        "stale writes refused by the gateway": _count(
+            world,
+            "SELECT count(*) FROM writes WHERE resource LIKE '%browser/account-7' AND accepted = 0",
+        ),
+        "stale writes accepted": _stale_accepted(world, "%browser/account-7"),
+        "claims": _count(world, claimed),
+        "takeovers": _count(world, claimed + " AND detail != 'null'"),
+        "bodies run": _count(
+            world, "SELECT count(*) FROM events WHERE kind = 'charged' AND job = 'invoice-18'"
+        ),
+        "charges": _count(world, charges + "18"),
+    }
+    assert {name: _figure(out, name) for name in counted} == counted
+    assert counted["stale writes accepted"] == 0
+    assert counted["charges for invoice 17"] == counted["charges"] == 1
+    assert counted["claims"] == 1 and counted["takeovers"] == 0
+    assert _figure(out, "overlaps") == 0
+    assert "all invariants held" in out
+
+
+def test_with_the_gateway_s_fence_check_off_the_evidence_follows_the_tables(tmp_path):
+    """Negative control: with the tool gateway accepting every fence, row 2's figure is the
+    count of stale writes the gateway accepted in this run, and any makes the demo fail."""
+    world = tmp_path / "world.db"
+    done = _run(
+        "example_project.run",
+        "--only",
+        "paused",
+        "--keep-world",
+        str(world),
+        env={"DEMO_GATEWAY_FENCE_CHECK": "off"},
+    )
+    stale = _stale_accepted(world, "%browser/account-7")
+    assert _figure(done.stdout, "stale writes accepted") == stale, done.stdout
+    assert done.returncode == (1 if stale else 0), done.stdout[-4000:] + done.stderr[-4000:]
+    assert ("INVARIANT FAILED" in done.stdout) == bool(stale)
 
 
 def _db(url: str, number: int) -> str:
