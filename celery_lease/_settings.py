@@ -82,7 +82,7 @@ class LeaseSettings:
     allow_direct_call: bool = False
     send_events: bool = True
     dedup: bool = True
-    handoff: bool = False
+    handoff: bool = True
     retention: float = DEFAULT_RETENTION
 
     def __repr__(self) -> str:
@@ -355,6 +355,6 @@ SETTINGS_DOC = {
     "idempotency_key header, or the task id) so a duplicate delivery of a completed one "
     "returns its result instead of running (True)",
     "handoff": "a busy task joins the resource's FIFO wait list and is woken at release "
-    "(Redis and memory stores; needs an identity and on_busy='retry') (False)",
+    "(Redis and memory stores; needs an identity and on_busy='retry') (True)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
 }

