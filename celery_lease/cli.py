@@ -550,6 +550,22 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
     return facts, warnings
 
 
+def _facts_lines(facts: dict[str, Any]) -> list[str]:
+    """``check``'s report as ``label:  value`` lines aligned on the longest label; a mapping
+    (the per-table rights) goes one ``  table  value`` line per key below its label."""
+    width = max(len(name) for name in facts) + 2
+    lines: list[str] = []
+    for name, value in facts.items():
+        if isinstance(value, dict):
+            lines.append(f"{name}:")
+            table_width = max((len(str(key)) for key in value), default=0)
+            lines += [f"  {key:<{table_width}}  {item}" for key, item in value.items()]
+            continue
+        shown = (", ".join(map(str, value)) or "none") if isinstance(value, list) else value
+        lines.append(f"{name + ':':<{width}}{shown}")
+    return lines
+
+
 @lease.command(cls=CeleryCommand)
 @click.option("--strict", is_flag=True, help="Exit 1 when there are warnings too.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -584,18 +600,18 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     if as_json:
         _dump(ctx, out)
     else:
-        ctx.obj.echo(f"store:       {store.url}")
         if "failed" in probe:
-            ctx.obj.echo(f"write probe: FAILED ({probe['failed']})")
+            outcome = f"FAILED ({probe['failed']})"
         elif skew is None:
-            ctx.obj.echo(f"write probe: skipped ({probe['skipped']})")
+            outcome = f"skipped ({probe['skipped']})"
         else:
-            ctx.obj.echo(
-                f"write probe: ok, round trip {probe['round_trip'] * 1000:.1f} ms, clock skew "
+            outcome = (
+                f"ok, round trip {probe['round_trip'] * 1000:.1f} ms, clock skew "
                 f"{skew:+.3f}s (+-{probe['uncertainty']:.3f}s, store minus this host)"
             )
-        for name, value in out.get("postgresql", {}).items():
-            ctx.obj.echo(f"{name + ':':<13}{value}")
+        facts = {"store": store.url, "write probe": outcome, **out.get("postgresql", {})}
+        for line in _facts_lines(facts):
+            ctx.obj.echo(line)
         for warning in warnings:
             ctx.obj.echo(f"WARNING: {warning}")
         ctx.obj.echo("OK" if out["ok"] else f"{len(warnings)} warning(s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -176,6 +177,40 @@ class TestHumanOutput:
         assert "write probe: ok" in done.stdout
         assert "WARNING: SQLite lease store" in done.stdout
         assert "1 warning(s)" in one_line_error(done)
+
+
+class TestCheckHumanOutput:
+    def test_postgres_report_lines_are_label_space_value(
+        self, request: pytest.FixtureRequest, tmp_path: Path
+    ) -> None:
+        """check on PostgreSQL prints every fact as `label: value` (long labels too) and the
+        table rights one `  table  RIGHTS` line per table, never a Python dict."""
+        made = make_target("postgres", request, tmp_path)
+        try:
+            done = made.run("check")
+            assert done.returncode == 0, done.stderr
+            tables = {table.name for table in made.store.tables.values()}
+        finally:
+            made.store.close()
+        lines = done.stdout.splitlines()
+        assert "{'" not in done.stdout, done.stdout
+        assert lines[-1] == "OK" or lines[-1].endswith("warning(s)"), done.stdout
+        rights = lines.index("table_rights:")
+        per_table = lines[rights + 1 : rights + 1 + len(tables)]
+        assert {line.split()[0] for line in per_table} == tables, done.stdout
+        for line in per_table:
+            assert line.startswith("  ") and len(line.split()) == 2, line
+            assert set(line.split()[1].split(",")) <= {"SELECT", "INSERT", "UPDATE", "DELETE"}
+        facts = [line for line in lines[:-1] if line not in per_table and line != "table_rights:"]
+        assert any(line.startswith("idle_in_transaction_session_timeout: ") for line in facts)
+        for line in facts:
+            assert re.match(r"[A-Za-z_ ]+: +\S", line), line
+        columns = set()
+        for line in facts:
+            if not line.startswith("WARNING: "):
+                label, rest = line.split(":", 1)
+                columns.add(len(label) + 1 + len(rest) - len(rest.lstrip()))
+        assert len(columns) == 1, done.stdout  # every value starts in the same column
 
 
 class TestErrors:
