@@ -267,7 +267,8 @@ def _records_json(records: IdentityRecords) -> dict[str, Any]:
 @click.option(
     "--identity",
     default=None,
-    help="The task identity whose record to show (default: the holder's task id).",
+    help="The task identity whose record to show (default: the holder's task id; a task "
+    "that sets identity= needs this).",
 )
 @click.option(
     "--effects",
@@ -290,7 +291,8 @@ def show(
     info = store.get(resource)
     queue = store.waiters(resource)
     # A lease task's identity is its task id unless the task sets identity=: without
-    # --identity, show the holder's record when there is one.
+    # --identity, show the holder's record when there is one. The lease records no identity,
+    # so a custom identity= cannot be found from it: say so rather than show nothing.
     holder = holder_task_id(info.owner_label) if info is not None else None
     wanted = identity if identity is not None else holder
     record = store.identity_get(resource, wanted) if wanted is not None else None
@@ -299,6 +301,17 @@ def show(
         if record is not None and wanted is not None
         else None
     )
+    note = None
+    if info is not None and identity is None and record is None:
+        where = (
+            f"no identity record under the holder's task id {holder!r}"
+            if holder is not None
+            else "the holder's label names no task id"
+        )
+        note = (
+            f"{where}; a task that sets identity= keeps its record under that identity, "
+            "which the lease does not record: pass --identity ID to see it"
+        )
     if as_json:
         out: dict[str, Any] = {
             "lease": None if info is None else _lease_json(info),
@@ -308,6 +321,8 @@ def show(
             out["identity"] = None if record is None else _identity_json(record)
             if records is not None:
                 out["identity"].update(_records_json(records))
+        if note is not None:
+            out["note"] = note
         _dump(ctx, out)
         return
     if info is None:
@@ -335,6 +350,8 @@ def show(
     if record is None:
         if identity is not None:
             ctx.obj.echo(f"identity {identity!r}: no record")
+        elif note is not None:
+            ctx.obj.echo(f"identity:    {note}")
         return
     ctx.obj.echo(f"identity {record.identity!r}:")
     for name, value in (

@@ -138,6 +138,30 @@ class TestShowIdentityRecords:
         assert "done" in line and '{"id": 7}' in line and str(lease.fence) in line
 
 
+class TestShowCustomIdentity:
+    def test_show_says_to_pass_identity_for_a_custom_identity(self, target: Target) -> None:
+        """A holder whose task sets identity= keeps its record under that identity, which the
+        lease does not carry: show without --identity says so, and --identity shows it."""
+        store = target.store
+        lease = store.acquire("slow/3", Owner.new("celery@w1:15:task-ddd"), 60, identity="slowid:3")
+        store.checkpoint(lease, '{"step": 1}')
+
+        human = target.run("show", "slow/3")
+        assert human.returncode == 0, human.stderr
+        assert "task id:     task-ddd" in human.stdout
+        (line,) = [x for x in human.stdout.splitlines() if x.startswith("identity:")]
+        assert "'task-ddd'" in line and "pass --identity ID" in line, human.stdout
+        assert "--identity ID" in target.json("show", "slow/3")["note"]
+
+        shown = target.json("show", "slow/3", "--identity", "slowid:3")
+        assert "note" not in shown
+        assert shown["identity"]["state"] == "running"
+        assert shown["identity"]["fence"] == lease.fence
+        assert shown["identity"]["checkpoints"] == {"step": 1}
+        human = target.run("show", "slow/3", "--identity", "slowid:3")
+        assert 'checkpoints: {"step": 1}' in human.stdout, human.stdout
+
+
 class TestFilters:
     def test_expired_prefix_and_stats(self, sqlite_target: Target) -> None:
         """--expired and --prefix filter ls; stats counts live and expired by prefix."""
