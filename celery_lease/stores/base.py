@@ -428,9 +428,6 @@ class FenceGateStore(Protocol):
         ...
 
 
-log = logging.getLogger(__name__)
-
-
 def lease_info(
     resource: str, owner_label: str, fence: int, acquired_us: int, expires_us: int, now_us: int
 ) -> LeaseInfo:
@@ -455,9 +452,10 @@ def previous_owner(
     return label, fence
 
 
-def log_force_release(info: LeaseInfo) -> LeaseInfo:
-    """The one log line of an administrator's force-release (Redis and SQL stores; the memory
-    store, made for tests, logs nothing)."""
+def log_force_release(info: LeaseInfo, log: logging.Logger) -> LeaseInfo:
+    """The one log line of an administrator's force-release, on the backend's own ``log``
+    (``celery_lease.stores.redis`` / ``.sql``, where it always was; the memory store, made for
+    tests, logs nothing)."""
     log.warning(
         "force-released lease on %r held by %r with fence %d",
         info.resource,

@@ -275,6 +275,28 @@ class TestReadAndAdmin:
         assert nxt.fence >= held.fence + 2
         assert store.force_release(names + "none") is None
 
+    def test_force_release_warns_on_the_backend_logger(self, store, names, request, caplog):
+        """The force-release warning is on the backend's own logger (as before stores became
+        packages), so logging set up for ``celery_lease.stores.redis`` / ``.sql`` still sees it;
+        the memory store logs nothing."""
+        kind = request.node.callspec.params["store"]
+        backend = "memory" if kind == "memory" else "redis" if kind.startswith("redis") else "sql"
+        logger = None if backend == "memory" else f"celery_lease.stores.{backend}"
+        held = store.acquire(names + "a", Owner.new("stuck"), LONG)
+        with caplog.at_level("WARNING", logger="celery_lease"):
+            store.force_release(names + "a")
+        lines = [
+            (r.name, r.levelname, r.getMessage())
+            for r in caplog.records
+            if r.getMessage().startswith("force-released lease on")
+        ]
+        if logger is None:
+            assert lines == []
+        else:
+            message = f"force-released lease on {names + 'a'!r} held by 'stuck' with fence "
+            message += str(held.fence)
+            assert lines == [(logger, "WARNING", message)]
+
     def test_the_evicted_owner_learns_it_was_force_released(self, store, names):
         """Renew and verify say force_released (not released) until the next claim."""
 

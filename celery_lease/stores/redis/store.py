@@ -53,7 +53,9 @@ _KEY_KINDS = (
 )  # fmt: skip
 
 
-log = logging.getLogger(__name__)
+# The backend's logger name from before the stores became packages, so that logging set up for
+# it keeps seeing this store's lines (the force-release warning above all).
+log = logging.getLogger("celery_lease.stores.redis")
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 # token, fence, acquired, expires, label; then maybe the recovery facts (see scripts.py)
@@ -574,7 +576,7 @@ class RedisLeaseStore(BaseLeaseStore):
         now, record = reply[0], reply[1] if len(reply) > 1 else None
         if record is None:
             return None
-        return log_force_release(self._info(resource, record, now))
+        return log_force_release(self._info(resource, record, now), log)
 
     def sweep_expired(self, *, limit: int = 1000) -> int:
         limit = self._sweep_args(limit)

@@ -56,7 +56,9 @@ from .schema import SCHEMA_VERSION, TABLE_RIGHTS
 
 __all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "SQLLeaseStore"]
 
-log = logging.getLogger(__name__)
+# The backend's logger name from before the stores became packages, so that logging set up for
+# it keeps seeing this store's lines (the force-release warning above all).
+log = logging.getLogger("celery_lease.stores.sql")
 
 _SQLITE_MIN = (3, 35, 0)  # RETURNING
 
@@ -488,7 +490,7 @@ class SQLLeaseStore(BaseLeaseStore):
         row = self._connections.run(f"force_release of {resource!r}", work)
         if row is None or row[0] is None:
             return None
-        return log_force_release(lease_info(resource, *row))
+        return log_force_release(lease_info(resource, *row), log)
 
     # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
