@@ -32,7 +32,7 @@ from ._interrupt import raise_if_interrupted, shielded
 from ._lease import Lease
 from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, validate_fence, validate_resource
 from .stores import LeaseStore, store_from_url
-from .stores.base import FenceGateStore
+from .stores.base import FenceGateStore, ReadableFenceGateStore
 
 __all__ = [
     "FENCING_HEADER",
@@ -88,10 +88,10 @@ class FenceGate:
         if (url is None) == (store is None):
             raise LeaseConfigError("FenceGate needs exactly one of url= or store=")
         backend = store if store is not None else store_from_url(url or "", **options)
-        if not isinstance(backend, FenceGateStore):
+        if not isinstance(backend, FenceGateStore):  # url and gate_admit: all admit() needs
             raise LeaseConfigError(f"{show_value(backend)} cannot serve as a fence gate")
         self._backend: FenceGateStore = backend
-        self._owns = store is None
+        self._owned: LeaseStore | None = None if store is not None else backend  # ours to close
         self.url = backend.url
 
     def admit(self, key: str, fence: int | Lease) -> int:
@@ -115,11 +115,16 @@ class FenceGate:
 
     def highest(self, key: str) -> int | None:
         """The highest fence admitted for ``key`` so far, or None."""
+        if not isinstance(self._backend, ReadableFenceGateStore):
+            raise LeaseConfigError(
+                f"the fence gate's store {self.url} has no gate_highest: it can admit fences "
+                "but not say the highest one"
+            )
         return self._backend.gate_highest(key)
 
     def close(self) -> None:
-        if self._owns:
-            self._backend.close()
+        if self._owned is not None:
+            self._owned.close()
 
     def __repr__(self) -> str:
         return f"<FenceGate {self.url}>"

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import DEFAULT_MAX_TTL, BaseLeaseStore, FenceGateStore, LeasePage, LeaseStore
+from .base import (
+    DEFAULT_MAX_TTL,
+    BaseLeaseStore,
+    FenceGateStore,
+    LeasePage,
+    LeaseStore,
+    ReadableFenceGateStore,
+)
 from .memory import MemoryLeaseStore
 from .urls import mask_url, store_from_url
 
@@ -23,6 +30,7 @@ __all__ = [
     "LeasePage",
     "LeaseStore",
     "MemoryLeaseStore",
+    "ReadableFenceGateStore",
     "RedisLeaseStore",
     "SQLLeaseStore",
     "mask_url",

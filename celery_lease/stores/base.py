@@ -399,8 +399,11 @@ class LeaseStore(Protocol):
 class FenceGateStore(Protocol):
     """A store that can keep a :class:`~celery_lease.FenceGate`: the highest fence admitted per key.
 
-    Every store shipped here is one (Redis: one script; SQL: one statement on the
-    ``fence_gate`` table; memory). ``FenceGate`` refuses, when it is made, a store that is not.
+    This is all ``FenceGate`` needs to admit, and all it checks when it is made (a store that
+    is not one is refused then): ``url`` and ``gate_admit``. ``FenceGate.highest`` also needs
+    :class:`ReadableFenceGateStore`; ``close`` is never called on a store passed in (only on
+    one the gate built from a URL). Every store shipped here is both (Redis: one script; SQL:
+    one statement on the ``fence_gate`` table; memory).
     """
 
     #: The store's URL with any password masked; safe to log.
@@ -419,12 +422,13 @@ class FenceGateStore(Protocol):
         """
         ...
 
+
+@runtime_checkable
+class ReadableFenceGateStore(FenceGateStore, Protocol):
+    """A fence-gate store that can also say the highest fence it admitted for a key."""
+
     def gate_highest(self, key: str) -> int | None:
         """The highest fence admitted for ``key`` so far, or None."""
-        ...
-
-    def close(self) -> None:
-        """Close what the store created."""
         ...
 
 

@@ -72,3 +72,42 @@ class TestFenceGate:
         gate = FenceGate("memory://")
         assert gate.admit("k", 3) == 3
         gate.close()
+
+
+class _AdmitOnlyGateStore:
+    """A user's gate store with just ``url`` and ``gate_admit``, the minimum FenceGate needs."""
+
+    url = "custom://"
+
+    def __init__(self) -> None:
+        self.highest: dict[str, int] = {}
+
+    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
+        seen = self.highest.get(key)
+        if seen is None or fence >= seen:
+            self.highest[key] = fence
+            return True, fence
+        return False, seen
+
+
+class TestCustomGateStore:
+    def test_a_store_with_only_gate_admit_is_accepted_and_admits(self):
+        """FenceGate takes a store that can only admit (no gate_highest, no close), as it did."""
+        backend = _AdmitOnlyGateStore()
+        gate = FenceGate(store=backend)  # type: ignore[arg-type]
+        assert gate.admit("k", 5) == 5
+        with pytest.raises(StaleFenceError):
+            gate.admit("k", 4)
+        assert backend.highest == {"k": 5}
+        gate.close()  # not ours to close: nothing is called
+
+    def test_highest_needs_gate_highest_and_says_so(self):
+        """Asking such a gate for the highest fence fails naming what the store lacks."""
+        gate = FenceGate(store=_AdmitOnlyGateStore())  # type: ignore[arg-type]
+        with pytest.raises(LeaseConfigError, match="gate_highest"):
+            gate.highest("k")
+
+    def test_a_store_without_gate_admit_is_refused(self):
+        """An object that cannot admit is refused when the gate is made (negative control)."""
+        with pytest.raises(LeaseConfigError, match="cannot serve as a fence gate"):
+            FenceGate(store=object())  # type: ignore[arg-type]

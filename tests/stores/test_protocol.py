@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from celery_lease.stores import FenceGateStore, LeaseStore
+from celery_lease.stores import FenceGateStore, LeaseStore, ReadableFenceGateStore
 from celery_lease.stores.base import BaseLeaseStore
 
 #: Public names a store class has that belong to no protocol, and why.
@@ -34,10 +34,11 @@ class TestProtocol:
         """Each shipped store satisfies both protocols, so nothing probes for a method."""
         assert isinstance(store, LeaseStore)
         assert isinstance(store, FenceGateStore)
+        assert isinstance(store, ReadableFenceGateStore)
 
     def test_every_public_method_is_declared_by_a_protocol(self, store):
         """warm_up and the fence-gate operations are declared, not found by hasattr."""
-        declared = _declared(LeaseStore) | _declared(FenceGateStore)
+        declared = _declared(LeaseStore) | _declared(ReadableFenceGateStore)
         extra = _public_methods(store) - declared - NOT_CONTRACT
         assert not extra, f"{type(store).__name__} has methods outside the contract: {extra}"
 
