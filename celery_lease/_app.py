@@ -18,8 +18,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, cast, runtime_checkable
 
 from celery import bootsteps, signals
 
@@ -96,6 +96,16 @@ def override_store(store: LeaseStore) -> Iterator[LeaseStore]:
     finally:
         with _stores_lock:
             _overrides.remove(store)
+
+
+@runtime_checkable
+class AdoptsAppOptions(Protocol):
+    """A store put in place by ``override_store()`` that takes its options from the app of the
+    task that claims (``celery_lease.testing``'s store)."""
+
+    def adopt_app_options(self, options: Mapping[str, Any]) -> None:
+        """Take the options every store takes (``max_ttl``, ``retention``) from ``options``."""
+        ...
 
 
 def overridden_store() -> LeaseStore | None:

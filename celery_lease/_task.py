@@ -41,7 +41,7 @@ from . import _clock
 from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
-from ._app import get_store, install, overridden_store, register_task_type
+from ._app import AdoptsAppOptions, get_store, install, overridden_store, register_task_type
 from ._codec import decode, encode
 from ._errors import (
     IdentityDoneError,
@@ -912,9 +912,9 @@ class _TaskSetup:
         """The store this call claims in: a test's override, else the app's (made once)."""
         override = overridden_store()
         if override is not None:
-            adopt = getattr(override, "adopt_app_options", None)  # celery_lease.testing's store
-            if adopt is not None:
-                adopt({"retention": self.settings.retention, **self.settings.store_options})
+            if isinstance(override, AdoptsAppOptions):  # celery_lease.testing's store
+                options = {"retention": self.settings.retention, **self.settings.store_options}
+                override.adopt_app_options(options)
             return override
         store = self.store
         if store is None:

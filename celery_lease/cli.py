@@ -666,7 +666,7 @@ def init_schema(ctx: click.Context, url: str | None, roles: tuple[str, ...]) -> 
 
     Lets the workers run as a role that may create nothing (``create_tables`` finds the tables
     there). Idempotent: run it again after an upgrade. Redis needs no schema: it prints the ACL
-    line of a least-privilege user instead."""
+    line of a least-privilege user instead. The memory store needs neither."""
     from .stores import store_from_url
 
     app = ctx.obj.app
@@ -681,9 +681,13 @@ def init_schema(ctx: click.Context, url: str | None, roles: tuple[str, ...]) -> 
     options.pop("create_tables", None)
     store: Any = store_from_url(url, **options)
     try:
-        if not hasattr(store, "grant_statements"):
+        kind = store_kind(url)  # (store_from_url refused any URL of no kind)
+        if kind == "redis":
             ctx.obj.echo(f"{store.url}: no schema to create. A least-privilege Redis user:")
-            ctx.obj.echo("  " + REDIS_ACL.format(prefix=getattr(store, "key_prefix", "")))
+            ctx.obj.echo("  " + REDIS_ACL.format(prefix=store.key_prefix))
+            return
+        if kind not in ("postgresql", "sqlite"):
+            ctx.obj.echo(f"{store.url}: an in-process store: no schema to create, no ACL to set.")
             return
         import sqlalchemy as sa
 

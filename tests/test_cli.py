@@ -278,3 +278,20 @@ class TestErrors:
         done = sqlite_target.run("release", "browser/a", "--force", stdin="y\n")
         assert done.returncode == 0, done.stderr
         assert store.get("browser/a") is None
+
+
+class TestInitSchemaByKind:
+    def test_a_memory_store_has_no_schema_or_acl(self):
+        """init-schema on memory:// says there is nothing to set up (it printed a Redis ACL)."""
+        done = run_lease("init-schema", "--url", "memory://", env={"CLI_STORE": "memory://"})
+        assert done.returncode == 0, done.stderr
+        assert "no schema" in done.stdout and "no ACL" in done.stdout
+        assert "ACL SETUSER" not in done.stdout and "Redis" not in done.stdout
+
+    def test_redis_gets_the_acl_of_its_prefix(self, request, tmp_path):
+        """The Redis store still gets its least-privilege ACL, limited to its key prefix."""
+        target = make_target("redis", request, tmp_path)
+        done = target.run("init-schema")
+        assert done.returncode == 0, done.stderr
+        assert "ACL SETUSER <user>" in done.stdout
+        assert f"~{target.store.key_prefix}*" in done.stdout
