@@ -72,10 +72,24 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
     return out
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING`` itself (not ``not TYPE_CHECKING``, nor
+    ``TYPE_CHECKING or x``: those bodies run)."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return (
+        isinstance(test, ast.Attribute)
+        and test.attr == "TYPE_CHECKING"
+        and isinstance(test.value, ast.Name)
+        and test.value.id == "typing"
+    )
+
+
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The nodes in the body of ``if TYPE_CHECKING:`` (never its ``else``): they never run."""
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.body:
                 skipped.update(id(n) for n in ast.walk(child))
     return skipped
@@ -84,6 +98,14 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:
     """Module -> the package modules it imports (relative names, '' for the package)."""
     modules = module_names(root, package)
+
+    def relative(target: str) -> str | None:
+        if target == package:
+            return ""
+        if target.startswith(package + "."):
+            return target[len(package) + 1 :]
+        return None
+
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -95,20 +117,20 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if id(node) in skipped:
                 continue
-            targets: list[str] = []
             if isinstance(node, ast.ImportFrom):
                 base = here[: len(here) - node.level + 1] if node.level else []
                 stem = ".".join([*base, *([node.module] if node.module else [])])
-                targets = [f"{stem}.{alias.name}" for alias in node.names] + [stem]
+                for alias in node.names:  # every name: "from . import a, b" imports both
+                    sub, mod = relative(f"{stem}.{alias.name}"), relative(stem)
+                    if sub is not None and sub in modules:
+                        found.add(sub)  # "from .x import y": y is a module
+                    elif mod is not None and mod in modules:
+                        found.add(mod)  # else x is
             elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            for target in targets:
-                if target != package and not target.startswith(package + "."):
-                    continue
-                relative = target[len(package) + 1 :] if target != package else ""
-                if relative in modules:
-                    found.add(relative)
-                    break  # "from .x import y": y is a module, else x is
+                for alias in node.names:  # "import p.a, p.b" imports both
+                    target = relative(alias.name)
+                    if target is not None and target in modules:
+                        found.add(target)
         found.discard(name)
         graph[name] = found
     return graph
@@ -262,6 +284,36 @@ class TestTheCheckItself:
             },
         )
         assert cycles(graph) == []
+
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "from . import low, high\n",  # the second name of one from-import
+            "import pkg.low, pkg.high\n",  # the second module of one import
+            "from typing import TYPE_CHECKING\nif not TYPE_CHECKING:\n    from . import high\n",
+            "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    from . import high\n",
+        ],
+        ids=["second-alias", "second-import", "if-not-type-checking", "type-checking-else"],
+    )
+    def test_every_import_that_runs_is_found(self, tmp_path, text):
+        """Each imported module counts, and only the body of ``if TYPE_CHECKING:`` is skipped."""
+        graph = self._package(
+            tmp_path, {"__init__.py": "", "low.py": "", "mid.py": text, "high.py": ""}
+        )
+        layers = [("bottom", {"low"}), ("middle", {"mid"}), ("top", {"", "high"})]
+        assert upward_imports(graph, layers) == ["mid -> high (middle -> top)"]
+
+    def test_typing_type_checking_is_skipped_too(self, tmp_path):
+        """``if typing.TYPE_CHECKING:`` never runs either: no edge."""
+        graph = self._package(
+            tmp_path,
+            {
+                "__init__.py": "",
+                "low.py": "import typing\nif typing.TYPE_CHECKING:\n    from . import high\n",
+            }
+            | {"high.py": ""},
+        )
+        assert graph["low"] == set()
 
     def test_an_upward_import_is_found(self, tmp_path):
         """A low module importing a higher one is reported, with both layers."""
