@@ -153,11 +153,15 @@ def _password_span(text: str) -> tuple[int, int] | None:
     moves where ``urllib`` thinks the host part ends. So: from the first ``:`` after ``//``
     (the user name before it holds no ``/?#``) to the last ``@`` of the URL. This may mask
     more than the password (an ``@`` in a query), never less.
+
+    A URL with an empty host part (``sqlite:///path``, ``sqlite://``, ``unix:///socket``) has
+    no user info for any driver to read: what follows is a path, which may hold ``:`` and
+    ``@``. Which schemes those are is not decided here (``stores/urls.py`` alone knows schemes).
     """
     lead = len(text) - len(text.lstrip())  # store_from_url strips; so must the mask
     scheme = _SCHEME.match(text, lead)
-    if scheme is None or scheme.group(0).lower().startswith("sqlite"):
-        return None  # no URL, or a file path (which may hold ':' and '@'), not a password
+    if scheme is None or text[scheme.end() :].rstrip()[:1] in ("", "/"):
+        return None  # no URL, or no host part: a path (or nothing), not a password
     start = scheme.end()
     at = text.rfind("@", start)
     colon = text.find(":", start, at) if at >= 0 else -1

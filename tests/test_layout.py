@@ -9,6 +9,7 @@ store returns leases), since they never run.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -235,6 +236,50 @@ def driver_catches(module: str, text: str) -> list[str]:
     return found
 
 
+#: A URL's start (``"redis://"``) or a store scheme's word (``"sqlite"``, ``"postgresql+psycopg"``).
+_SCHEME_LITERAL = re.compile(
+    r"[a-z][a-z0-9+.\-]*://.*|(?:redis|rediss|unix|postgres|postgresql|sqlite|memory)(?:[+:].*)?",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def _scheme_literals(node: ast.AST) -> list[str]:
+    """The string constants in ``node`` that look like a URL scheme or a URL's start."""
+    return [
+        c.value
+        for c in ast.walk(node)
+        if isinstance(c, ast.Constant)
+        and isinstance(c.value, str)
+        and _SCHEME_LITERAL.fullmatch(c.value)
+    ]
+
+
+def scheme_sniffs(module: str, text: str) -> list[str]:
+    """Each place in ``text`` that tells URL schemes apart, as 'module:line'.
+
+    That is ``x.startswith(...)`` / ``x.endswith(...)`` with a scheme-like literal, a
+    comparison with a literal URL start (``"sqlite://"``), and a comparison of something
+    named ``scheme`` with a scheme-like literal. (A store *kind*,
+    ``store_kind(url) == "redis"``, is the factory's answer, not a scheme, and is fine.)
+    """
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and any(_scheme_literals(arg) for arg in node.args)
+        ):
+            found.append(f"{module}:{node.lineno}")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literals = [value for side in sides for value in _scheme_literals(side)]
+            about_scheme = any("scheme" in ast.unparse(side).lower() for side in sides)
+            if any("://" in v for v in literals) or (literals and about_scheme):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
 ROOT = Path(celery_lease.__file__).resolve().parents[1]
 
 
@@ -263,20 +308,15 @@ class TestLayout:
         assert backend_crossings(graph) == []
 
     def test_only_the_store_factory_tells_url_schemes_apart(self):
-        """No module but stores/urls.py checks a URL against a scheme (``startswith("redis://")``):
-        which scheme names which store is decided in one place."""
-        sniffing = []
-        for name, path in module_names(ROOT, "celery_lease").items():
-            if name == "stores.urls":
-                continue
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "startswith"
-                    and "://" in ast.unparse(node.args[0] if node.args else node)
-                ):
-                    sniffing.append(f"{name}:{node.lineno}")
+        """No module but stores/urls.py checks a URL against a scheme (``startswith("redis://")``,
+        ``startswith("sqlite")``, ``scheme == "postgresql"``): which scheme names which store is
+        decided in one place."""
+        sniffing = [
+            sniff
+            for name, path in module_names(ROOT, "celery_lease").items()
+            if name != "stores.urls"
+            for sniff in scheme_sniffs(name, path.read_text(encoding="utf-8"))
+        ]
         assert sniffing == []
 
     def test_only_connection_modules_catch_driver_errors(self):
@@ -383,6 +423,27 @@ class TestTheCheckItself:
             "m: DBAPIError",
             "m: r.ResponseError",
         ]
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            'url.startswith("redis://")',
+            'scheme.group(0).lower().startswith("sqlite")',
+            'url.lower().startswith(("postgres", "postgresql+psycopg"))',
+            'parsed.scheme == "rediss"',
+            'url_scheme in ("memory", "unix")',
+            'url[:9] == "sqlite://"',
+        ],
+    )
+    def test_a_scheme_check_outside_the_factory_is_found(self, line):
+        """Telling schemes apart by prefix or by comparison is reported."""
+        assert scheme_sniffs("m", f"if {line}:\n    pass\n") == ["m:1"]
+
+    def test_a_store_kind_comparison_is_not_a_scheme_check(self):
+        """Comparing the factory's answer (the store kind) is how the rest should decide."""
+        assert (
+            scheme_sniffs("m", 'if store_kind(url) == "redis" or kind == "sqlite":\n    x\n') == []
+        )
 
     def test_an_upward_import_is_found(self, tmp_path):
         """A low module importing a higher one is reported, with both layers."""
