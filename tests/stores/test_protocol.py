@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
+
+import pytest
 
 from celery_lease.stores import FenceGateStore, LeaseStore, ReadableFenceGateStore
 from celery_lease.stores.base import BaseLeaseStore
@@ -45,3 +48,41 @@ class TestProtocol:
     def test_the_base_store_warm_up_is_a_no_op(self):
         """A store with nothing to open inherits a warm_up that does nothing."""
         assert BaseLeaseStore.warm_up(object()) is None  # type: ignore[arg-type]
+
+
+#: The names ``celery_lease.stores.redis`` / ``.sql`` held as single modules (a9e62af) that came
+#: from this project. Not kept: the stdlib, typing and driver names they happened to import
+#: (import those from where they live) and ``SQLLedgerMixin`` (the ledger is plain functions).
+FORMER_NAMES = {
+    "redis": (
+        "BaseLeaseStore DEFAULT_MAX_TTL DEFAULT_RETENTION FreeList IdentityDoneError IdentityInfo "
+        "Lease LeaseBusyError LeaseConfigError LeaseInfo LeaseLostError LeasePage LeaseStoreError "
+        "Owner RedisLeaseStore Waiter connection_refused decode decode_cursor encode_cursor "
+        "from_micros lua mask_url monotonic shielded show_value validate_resource"
+    ),
+    "sql": (
+        "BaseLeaseStore DEFAULT_MAX_TTL DEFAULT_RETENTION FreeList IdentityDoneError Lease "
+        "LeaseBusyError LeaseConfigError LeaseInfo LeaseLostError LeasePage LeaseStoreError "
+        "LedgerStatements Owner SCHEMA_VERSION SQLLeaseStore Waiter check_credentials "
+        "connection_refused decode decode_cursor encode_cursor from_micros mask_url monotonic "
+        "recovered_from shielded stmts validate_identifier validate_resource"
+    ),
+}
+
+
+class TestFormerModuleNames:
+    @pytest.mark.parametrize("backend", sorted(FORMER_NAMES))
+    def test_imports_from_the_former_single_modules_still_work(self, backend):
+        """``from celery_lease.stores.<backend> import NAME`` works for each name it had."""
+        module = importlib.import_module(f"celery_lease.stores.{backend}")
+        missing = [name for name in FORMER_NAMES[backend].split() if not hasattr(module, name)]
+        assert missing == []
+
+    def test_the_defaults_are_the_same_objects(self):
+        """A re-exported name is the library's one value, not a copy."""
+        base, redis, sql = (
+            importlib.import_module(f"celery_lease.stores.{name}")
+            for name in ("base", "redis", "sql")
+        )
+        assert redis.DEFAULT_MAX_TTL == sql.DEFAULT_MAX_TTL == base.DEFAULT_MAX_TTL
+        assert redis.DEFAULT_RETENTION is sql.DEFAULT_RETENTION is base.DEFAULT_RETENTION
