@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from celery_lease import REDO, Lease, current_lease, lease_task
+from celery_lease import REDO, Lease, current_lease, lease_task, shielded
 
 from .celery import DATA, NS, app
 from .gateway import Gateway
@@ -53,9 +53,13 @@ def browse(self: Any, account_id: int, job: str, pages: int) -> int:
     lease = current_lease()
     resource = lease.resource
     for page in range(pages):
-        gateway().write(resource, lease.fence, f"{job} page {page}")  # refused if stale
-        gateway().event("page", job, lease.fence, page)
-        time.sleep(0.4)  # the page loads
+        # A click is a request already on its way when a pause can hit: nothing can stop it
+        # (shielded holds back the lease interrupt), so a worker frozen here sends it late,
+        # with its old fence, and only the gateway's fence check keeps it out.
+        with shielded():
+            gateway().event("page", job, lease.fence, page)
+            time.sleep(0.4)  # the page loads
+            gateway().write(resource, lease.fence, f"{job} page {page}")  # refused if stale
     gateway().event("finished", job, lease.fence)
     return lease.fence
 
