@@ -1,19 +1,19 @@
 """The exception tree of celery_lease.
 
-::
-
-    LeaseError                  one root: ``except LeaseError`` catches everything below
-    ├── LeaseBusyError          the resource is held by a live lease of another owner
-    ├── LeaseLostError          this owner no longer holds the lease (expired, taken over,
-    │                           force-released, renewal failed past the self-fence deadline)
-    ├── StaleFenceError         a side effect saw a fence older than the newest it accepted
-    ├── LeaseStoreError         the store could not be reached or answered with an error;
-    │                           the outcome of the operation is unknown (``refused``: the
-    │                           store refused the connection and nothing was sent)
-    ├── LeaseConfigError        bad input or settings: the message names the value and the fix
-    ├── IdentityDoneError       the task identity already completed (a duplicate delivery)
-    ├── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
-    └── InvalidFenceTokenError  a fencing token was forged, tampered with, expired or malformed
+```text
+LeaseError                  one root: ``except LeaseError`` catches everything below
+├── LeaseBusyError          the resource is held by a live lease of another owner
+├── LeaseLostError          this owner no longer holds the lease (expired, taken over,
+│                           force-released, renewal failed past the self-fence deadline)
+├── StaleFenceError         a side effect saw a fence older than the newest it accepted
+├── LeaseStoreError         the store could not be reached or answered with an error;
+│                           the outcome of the operation is unknown (``refused``: the
+│                           store refused the connection and nothing was sent)
+├── LeaseConfigError        bad input or settings: the message names the value and the fix
+├── IdentityDoneError       the task identity already completed (a duplicate delivery)
+├── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
+└── InvalidFenceTokenError  a fencing token was forged, tampered with, expired or malformed
+```
 
 Every error keeps its whole state in ``args`` (the message first, then plain JSON-friendly
 values), so it survives pickling and ``cls(*exc.args)``, which is how Celery rebuilds an

@@ -1,8 +1,10 @@
 """One structured log line per lease event, rate-limited on repeats, secrets redacted.
 
-Every line goes to the ``celery_lease.events`` logger and reads::
+Every line goes to the ``celery_lease.events`` logger and reads:
 
-    task proj.charge[3f2c...] busy: resource=inv:7 fence=41 holder=w1@host:311:9b1e... action=wait
+```text
+task proj.charge[3f2c...] busy: resource=inv:7 fence=41 holder=w1@host:311:9b1e... action=wait
+```
 
 ``key=value`` pairs after the task name and id (values with spaces or quotes are quoted), and
 the same fields on the log record as ``record.lease`` (a dict) for JSON formatters.

@@ -111,11 +111,18 @@ class SweepReport:
 def on_expired(prefix: str) -> Callable[[F], F]:
     """Register a cleanup hook for expired leases on resources starting with ``prefix``.
 
-    ::
+    ```python
+    import shutil
+    from pathlib import Path
 
-        @celery_lease.on_expired("browser/")
-        def close_profile(expired: celery_lease.ExpiredLease) -> None:
-            shutil.rmtree(PROFILES / expired.resource.removeprefix("browser/"), True)
+    import celery_lease
+
+    PROFILES = Path("/var/lib/agent/profiles")
+
+    @celery_lease.on_expired("browser/")
+    def close_profile(expired: celery_lease.ExpiredLease) -> None:
+        shutil.rmtree(PROFILES / expired.resource.removeprefix("browser/"), ignore_errors=True)
+    ```
 
     The sweeper calls the hook while it holds the resource's lease, so no task uses the resource
     meanwhile. Hooks must be idempotent (a failed run is repeated) and should finish within the

@@ -993,10 +993,14 @@ def lease_task(
 ) -> Any:
     """Register a function as a Celery task that runs under a lease on ``resource``.
 
-    Used like ``shared_task`` (or ``app.task`` when ``app`` is given)::
+    Used like ``shared_task`` (or ``app.task`` when ``app`` is given):
 
-        @lease_task(resource="browser/account-{account_id}", ttl=60, acks_late=True)
-        def drive_browser(account_id): ...
+    ```python
+    from celery_lease import lease_task
+
+    @lease_task(resource="browser/account-{account_id}", ttl=60, acks_late=True)
+    def drive_browser(account_id): ...
+    ```
 
     Args:
         resource: a ``str.format`` template over the task's arguments (positional or keyword,

@@ -75,11 +75,19 @@ class FenceGate:
         store: or an existing lease store to share connections with (not closed by close()).
         **options: store options (``key_prefix``, ``table_prefix``, ...) for a URL.
 
-    Example::
+    Check the fence right before the write, in the task body:
 
-        gate = FenceGate("postgresql+psycopg://app@db/app")
-        gate.admit(f"invoice:{invoice_id}", current_lease().fence)   # or StaleFenceError
-        write_the_invoice(...)
+    <!-- test: typecheck, needs a PostgreSQL server -->
+    ```python
+    from celery_lease import FenceGate, current_lease, lease_task
+
+    gate = FenceGate("postgresql+psycopg://app@db/app")
+
+    @lease_task(resource="invoice/{invoice_id}")
+    def send_invoice(invoice_id: int) -> None:
+        gate.admit(f"invoice:{invoice_id}", current_lease().fence)  # or StaleFenceError
+        ...  # the write, only once admit() returned
+    ```
     """
 
     def __init__(
@@ -142,11 +150,13 @@ def fenced_update(
 ) -> int:
     """Update the rows ``where`` matches, all of them or none: none if any carries a newer fence.
 
-    One statement, so it is all-or-nothing on its own, also on an autocommit connection::
+    One statement, so it is all-or-nothing on its own, also on an autocommit connection:
 
-        WITH locked AS MATERIALIZED (SELECT fence FROM t WHERE <where> FOR UPDATE)
-        UPDATE t SET <values>, fence = :fence
-        WHERE <where> AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.fence > :fence)
+    ```sql
+    WITH locked AS MATERIALIZED (SELECT fence FROM t WHERE <where> FOR UPDATE)
+    UPDATE t SET <values>, fence = :fence
+    WHERE <where> AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.fence > :fence)
+    ```
 
     On PostgreSQL the CTE locks every matched row and reads its newest committed fence before
     any row is written, so a newer owner committing while this statement runs makes it write

@@ -1,8 +1,10 @@
 """Test helpers for your own suite: leased tasks without servers.
 
-Opt in from a ``conftest.py``::
+Opt in from a ``conftest.py``:
 
-    pytest_plugins = ["celery_lease.testing"]
+```python title="conftest.py"
+pytest_plugins = ["celery_lease.testing"]
+```
 
 and take the ``lease_store`` fixture in a test: while the test runs, every lease task in the
 process claims in that one in-memory store, whatever ``lease_store_url`` says (also when the

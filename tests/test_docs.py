@@ -4,7 +4,9 @@ What each kind of block goes through is described in tests/tooling/docblocks.py:
 are executed (one namespace per page, in a pytest run of their own, against the in-memory
 store of ``celery_lease.testing``, an eager app or SQLite in a scratch directory) or, when
 marked ``<!-- test: typecheck, <why> -->``, type-checked with mypy against the public API.
-``celery -A proj lease|worker ...`` commands are checked against the real command line.
+The code examples in the package's docstrings (what the API reference shows) follow the same
+rules, one namespace per docstring. ``celery -A proj lease|worker ...`` commands are checked
+against the real command line.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 PARSED = {path.name: docblocks.parse(path) for path in PAGES}
 RUN = [page for page in PARSED.values() if page.of("exec")]
 CHECKED = [page for page in PARSED.values() if page.of("typecheck")]
+#: One page per docstring with python blocks, and the examples nothing would run or check.
+DOCSTRINGS, DOCSTRING_PROBLEMS = docblocks.docstrings(ROOT / "celery_lease", ROOT)
+DOC_RUN = [page for page in DOCSTRINGS if page.of("exec")]
+DOC_CHECKED = [page for page in DOCSTRINGS if page.of("typecheck")]
 #: The app the command lines are checked with: its lease task installs the --lease-* options.
 CLI_APP = "tests.user_suite.myapp"
 
@@ -65,6 +71,12 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
         'class="filename">proj.py'
         in (tmp_path / "site" / "getting-started" / "index.html").read_text()
     )
+    # The docstrings' examples are highlighted code, their markers invisible, no RST left over.
+    shown = re.sub(r"<!--.*?-->", "", api, flags=re.S)
+    assert "test: typecheck" in api
+    assert "test: typecheck" not in shown
+    assert not re.search(r"::\s*</p>", shown)
+    assert re.search(r"language-python.*?drive_browser", api, flags=re.S)
 
 
 def test_every_public_name_is_in_the_api_reference() -> None:
@@ -124,6 +136,71 @@ def test_a_block_the_tests_cannot_place_fails(tmp_path: Path, text: str, error: 
         docblocks.parse(page)
 
 
+# Docstrings ------------------------------------------------------------------------------
+
+
+def test_every_docstring_example_is_executed_or_type_checked() -> None:
+    """Each code example in a docstring is a python block that runs or is type-checked (with a
+    reason); a ``::`` literal block, a doctest or an indented block fails here with file:line."""
+    assert DOCSTRING_PROBLEMS == []
+    labels = {page.label for page in DOCSTRINGS}
+    # The examples the API reference shows were found (the scan does not silently see none).
+    assert {"celery_lease._task.lease_task", "celery_lease.fencing.FenceGate"} <= labels
+    for page in DOCSTRINGS:
+        for block in page.of("exec", "typecheck", "setup"):
+            assert block.mode != "typecheck" or block.reason, block.where
+            try:
+                ast.parse(block.code)
+            except SyntaxError as exc:
+                pytest.fail(f"{block.where} (+{exc.lineno}): {exc.msg}")
+
+
+@pytest.mark.parametrize(
+    ("docstring", "error"),
+    [
+        ("Example::\n\n    x = 1\n", "m.py:2: a literal block (::)"),
+        ("Use it:\n\n>>> x = 1\n", "m.py:4: a doctest (>>>)"),
+        ("Use it:\n\n    x = 1\n\nDone.\n", "m.py:4: an indented block shows as code"),
+        ("Examples:\n    x = 1\nDone.\n", "m.py:2: an Examples: section is not checked"),
+        (
+            "Args:\n    x: one\n\n    ```python\n    x = 1\n    ```\nDone.\n",
+            "m.py:5: indented fence",
+        ),
+        ("<!-- test: typecheck -->\n```python\nx = 1\n```\n", "m.py:2: marker 'typecheck'"),
+        ("Use it:\n\n```py\nx = 1\n```\n", "m.py:4: fence language 'py'"),
+        ("A\\nB\n```python\nx = 1\n```\n", "m.py:2: escape sequences"),
+    ],
+)
+def test_a_docstring_example_the_tests_cannot_place_fails(
+    tmp_path: Path, docstring: str, error: str
+) -> None:
+    """Negative control: the scan names the file and line of each kind of unchecked example."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    # The docstring starts on line 2: the reported lines are the file's. (Like inspect.cleandoc,
+    # the scan takes the indentation common to the lines after the first as the margin.)
+    (package / "m.py").write_text(f'\n"""{docstring}"""\n')
+    _, problems = docblocks.docstrings(package, tmp_path)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"pkg/{error}"), problems[0]
+
+
+def test_a_checked_docstring_example_is_found_where_it_stands(tmp_path: Path) -> None:
+    """The positive side: a python block in a method's docstring is a page of its own,
+    executed, at its line in the file."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text(
+        'class C:\n    def f(self):\n        """Do it:\n\n        ```python\n        x = 1\n'
+        '        ```\n        """\n'
+    )
+    pages, problems = docblocks.docstrings(package, tmp_path)
+    assert problems == []
+    assert [(p.label, [(b.where, b.mode) for b in p.blocks]) for p in pages] == [
+        ("pkg.m.C.f", [("pkg/m.py:6", "exec")])
+    ]
+
+
 # Executed blocks -------------------------------------------------------------------------
 
 
@@ -135,6 +212,11 @@ def page_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ob
     groups: dict[Path, list[tuple[Page, list[int]]]] = {}
     for page in RUN:
         into = base / (page.slug if page.has_files else "shared")
+        groups.setdefault(into, []).append((page, docblocks.write_page_program(page, into)))
+    # The docstrings' examples share one run of their own (titled files such as the testing
+    # module's conftest.py first, before a page would write the default one).
+    for page in sorted(DOC_RUN, key=lambda p: not p.has_files):
+        into = base / "docstrings"
         groups.setdefault(into, []).append((page, docblocks.write_page_program(page, into)))
     runs: dict[str, object] = {}
     processes = []
@@ -152,7 +234,7 @@ def page_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ob
         processes.append(process)
         outcome: dict[str, object] = {}
         for page, expected in pages:
-            runs[page.path.name] = (process, outcome, into / f"ran_{page.slug}.json", expected)
+            runs[page.slug] = (process, outcome, into / f"ran_{page.slug}.json", expected)
     yield runs
     for process in processes:
         if process.poll() is None:
@@ -160,15 +242,16 @@ def page_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ob
         process.communicate()
 
 
-@pytest.mark.parametrize("page", RUN, ids=lambda p: p.path.name)
+@pytest.mark.parametrize("page", RUN + DOC_RUN, ids=lambda p: p.label)
 def test_the_page_runs(page: Page, page_runs: dict[str, object]) -> None:
-    """The page's executed blocks run in order, and the tests they define pass."""
-    process, outcome, ran, expected = page_runs[page.path.name]  # type: ignore[misc]
+    """The page's (or docstring's) executed blocks run in order, and the tests they define
+    pass."""
+    process, outcome, ran, expected = page_runs[page.slug]  # type: ignore[misc]
     if "output" not in outcome:
         outcome["output"] = process.communicate(timeout=240)[0]
     output = outcome["output"]
     assert process.returncode in (0, 5), output[-6000:]  # 5: no page of the run defines a test
-    assert ran.exists(), f"{page.path.name} did not run:\n{output[-3000:]}"
+    assert ran.exists(), f"{page.label} did not run:\n{output[-3000:]}"
     assert json.loads(ran.read_text()) == expected, output[-3000:]
 
 
@@ -176,14 +259,16 @@ def test_the_page_runs(page: Page, page_runs: dict[str, object]) -> None:
 
 
 def test_the_blocks_that_need_servers_type_check(tmp_path: Path) -> None:
-    """mypy over the blocks marked typecheck, with the project's settings for celery_lease."""
+    """mypy over the blocks marked typecheck, of the pages and the docstrings, in one run,
+    with the project's settings for celery_lease."""
     package = tmp_path / "docs_examples"
     package.mkdir()
     (package / "__init__.py").write_text("")
     where: dict[str, tuple[str, dict[int, int]]] = {}
-    for page in CHECKED:
-        where[f"{page.slug}.py"] = (page.path.name, docblocks.write_typecheck_module(page, package))
+    for page in CHECKED + DOC_CHECKED:
+        where[f"{page.slug}.py"] = (page.file, docblocks.write_typecheck_module(page, package))
     assert where, "no block is marked typecheck"
+    assert DOC_CHECKED, "no docstring block is marked typecheck"
     run = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", "pyproject.toml", str(package)],
         cwd=ROOT,  # mypy's cache for celery_lease is the one `mypy celery_lease` fills

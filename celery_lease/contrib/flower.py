@@ -7,9 +7,11 @@ lease store when the page is drawn: the resource, who holds it (owner label, nev
 its fence and when it expires. (The state, ``LEASE-BUSY`` then ``RETRY``, and the exception
 Flower shows already name the resource, holder and fence of the moment the task was refused.)
 
-``flowerconfig.py`` next to where Flower runs (``celery -A proj flower``)::
+``flowerconfig.py`` next to where Flower runs (``celery -A proj flower``):
 
-    from celery_lease.contrib.flower import format_task
+```python
+from celery_lease.contrib.flower import format_task
+```
 
 The resource comes from the task's ``resource`` template applied to its arguments as Flower
 shows them (Flower hands the hook a copy of the task without the fields of ``task-lease-*``

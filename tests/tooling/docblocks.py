@@ -23,12 +23,14 @@ extras in pyproject.toml; ``bash <file>`` and ``python -m <module>`` against the
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LANGUAGES = {"python", "sh", "bash", "text", "json", ""}
+LANGUAGES = {"python", "sh", "bash", "text", "json", "sql", ""}
 SHELL = {"sh", "bash", ""}
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)(?P<attrs>.*)$")
 TITLE = re.compile(r'title="(?P<title>[^"]+)"')
@@ -52,7 +54,7 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.name}:{self.line}"
+        return f"{_name(self.page)}:{self.line}"
 
 
 @dataclass
@@ -63,14 +65,17 @@ class Command:
 
     @property
     def where(self) -> str:
-        return f"{self.page.name}:{self.line}"
+        return f"{_name(self.page)}:{self.line}"
 
 
 @dataclass
 class Page:
+    """A docs page, or one docstring of the package (``name``: its module and object)."""
+
     path: Path
     blocks: list[Block] = field(default_factory=list)
     commands: list[Command] = field(default_factory=list)
+    name: str = ""
 
     @property
     def has_files(self) -> bool:
@@ -78,16 +83,37 @@ class Page:
 
     @property
     def slug(self) -> str:
-        return re.sub(r"\W", "_", self.path.stem.lower())
+        return re.sub(r"\W", "_", self.name or self.path.stem.lower())
+
+    @property
+    def file(self) -> str:
+        """The file as failures name it: ``fencing.md``, ``celery_lease/fencing.py``."""
+        return _name(self.path)
+
+    @property
+    def label(self) -> str:
+        """How failures name the page: ``fencing.md``, ``celery_lease.fencing.FenceGate``."""
+        return self.name or self.path.name
 
     def of(self, *modes: str) -> list[Block]:
         return [b for b in self.blocks if b.mode in modes]
 
 
+def _name(path: Path) -> str:
+    # Pages are named by file name (fencing.md); docstrings by their path in the checkout.
+    return path.name if path.is_absolute() else path.as_posix()
+
+
 def parse(path: Path) -> Page:
     """The page's blocks and commands; DocsError for anything the tests could not place."""
-    page = Page(path)
-    lines = path.read_text().splitlines()
+    return parse_lines(Page(path), path.read_text().splitlines(), 1)
+
+
+def parse_lines(page: Page, lines: list[str], first: int) -> Page:
+    """Add the blocks and commands of ``lines`` (``first``: the file's line number of
+    ``lines[0]``) to ``page``; DocsError for anything the tests could not place."""
+    path, at = page.path, first - 1
+    name = _name(path)
     marker: tuple[str, str, int] | None = None  # (what, rest, line) waiting for its fence
     i = 0
     while i < len(lines):
@@ -99,38 +125,38 @@ def parse(path: Path) -> Page:
                 end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->"), None)
                 if end is None or rest.strip():
                     raise DocsError(
-                        f"{path.name}:{i + 1}: '<!-- test: setup' ends with '-->' alone"
+                        f"{name}:{at + i + 1}: '<!-- test: setup' ends with '-->' alone"
                     )
                 code = "\n".join(lines[i + 1 : end]) + "\n"
-                page.blocks.append(Block(path, i + 2, "python", code, "setup"))
+                page.blocks.append(Block(path, at + i + 2, "python", code, "setup"))
                 i = end + 1
                 continue
             if not rest.rstrip().endswith("-->"):
-                raise DocsError(f"{path.name}:{i + 1}: a test marker is one line ending in -->")
-            marker = (what, rest.rstrip()[:-3].strip(" ,:"), i + 1)
+                raise DocsError(f"{name}:{at + i + 1}: a test marker is one line ending in -->")
+            marker = (what, rest.rstrip()[:-3].strip(" ,:"), at + i + 1)
             i += 1
             continue
         if line.lstrip().startswith("```") and not line.startswith("```"):
-            raise DocsError(f"{path.name}:{i + 1}: indented fence: the docs tests cannot see it")
+            raise DocsError(f"{name}:{at + i + 1}: indented fence: the docs tests cannot see it")
         fence = FENCE.match(line)
         if not fence:
             if marker is not None and line.strip():
-                raise DocsError(f"{path.name}:{marker[2]}: a test marker must precede a fence")
-            page.commands += _inline_commands(path, i + 1, line)
+                raise DocsError(f"{name}:{marker[2]}: a test marker must precede a fence")
+            page.commands += _inline_commands(path, at + i + 1, line)
             i += 1
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
         if end is None:
-            raise DocsError(f"{path.name}:{i + 1}: unclosed fence")
+            raise DocsError(f"{name}:{at + i + 1}: unclosed fence")
         lang = fence["lang"]
         if lang not in LANGUAGES:
             raise DocsError(
-                f"{path.name}:{i + 1}: fence language {lang!r} is not one of {LANGUAGES}"
+                f"{name}:{at + i + 1}: fence language {lang!r} is not one of {LANGUAGES}"
             )
         title = TITLE.search(fence["attrs"])
         block = Block(
             path,
-            i + 2,
+            at + i + 2,
             lang,
             "\n".join(lines[i + 1 : end]) + "\n",
             "other",
@@ -144,11 +170,11 @@ def parse(path: Path) -> Page:
                     block.mode, block.reason = "typecheck", reason
                 elif what != "exec":
                     raise DocsError(
-                        f"{path.name}:{i}: marker {what!r}: use '<!-- test: typecheck, <why> -->' "
+                        f"{name}:{at + i}: marker {what!r}: use '<!-- test: typecheck, <why> -->' "
                         "(a reason is required) or none (the block is executed)"
                     )
         elif marker is not None:
-            raise DocsError(f"{path.name}:{i}: test markers apply to python blocks only")
+            raise DocsError(f"{name}:{at + i}: test markers apply to python blocks only")
         if lang in SHELL:
             for n, raw in enumerate(block.code.splitlines()):
                 text = raw.strip().removeprefix("$ ")
@@ -256,3 +282,115 @@ def write_typecheck_module(page: Page, into: Path) -> dict[int, int]:
             where[len(lines)] = part.line + n
     (into / f"{page.slug}.py").write_text("\n".join(lines) + "\n")
     return where
+
+
+# Docstrings ------------------------------------------------------------------------------
+# The API reference (docs/api.md) renders the package's docstrings as Markdown, so their code
+# examples follow the pages' rules: a ```python block is executed (one namespace per
+# docstring) or marked typecheck with a reason. What would show code that neither happens to
+# is refused: an RST literal block (``Example::``), a doctest (``>>>``), an indented code
+# block, an ``Example:`` section.
+
+#: A Google-style section header (``Args:``, ``Raises:``, or an admonition ``Note:``) when the
+#: next line is indented: that body is text, not code.
+SECTION = re.compile(r"^(?P<title>\w[\w -]*):\s*$")
+LIST_ITEM = re.compile(r"^(?:[*+-]|\d+[.)])\s")
+EXAMPLE_SECTIONS = {"Example", "Examples", "Usage"}
+HOW = (
+    "write it as a ```python block at the docstring's top level (executed), with "
+    "'<!-- test: typecheck, <why> -->' before it when it cannot run, or ```text if it is not Python"
+)
+
+
+def docstrings(package: Path, root: Path) -> tuple[list[Page], list[str]]:
+    """The docstrings under ``package`` that hold python blocks, one Page each, and every
+    example the tests could not place (``path:line: what``)."""
+    pages: list[Page] = []
+    problems: list[str] = []
+    for file in sorted(package.rglob("*.py")):
+        rel = file.relative_to(root)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        seen: set[str] = set()
+        for scope, node in _string_statements(ast.parse(file.read_text()), ""):
+            name = f"{module}.{scope}" if scope else module
+            if name in seen:  # an attribute docstring next to its class's own
+                name = f"{name}_{node.lineno}"
+            seen.add(name)
+            page = Page(rel, name=name)
+            try:
+                lines = _docstring_lines(rel, node)
+                _refuse_unchecked_code(rel, lines, node.lineno)
+                parse_lines(page, lines, node.lineno)
+            except DocsError as exc:
+                problems.append(str(exc))
+                continue
+            if page.of("exec", "typecheck", "setup"):
+                pages.append(page)
+    return pages, problems
+
+
+def _string_statements(tree: ast.AST, scope: str) -> Iterator[tuple[str, ast.Constant]]:
+    """Every bare string statement (docstrings, attribute docstrings), with its scope."""
+    for node in ast.iter_child_nodes(tree):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            yield scope, node.value
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _string_statements(node, f"{scope}.{node.name}".lstrip("."))
+        else:
+            yield from _string_statements(node, scope)
+
+
+def _docstring_lines(path: Path, node: ast.Constant) -> list[str]:
+    """The docstring as the API reference shows it (indentation removed, as inspect.cleandoc
+    does), one entry per line of the file from ``node.lineno`` on."""
+    text = str(node.value)
+    if text.count("\n") != (node.end_lineno or node.lineno) - node.lineno and re.search(
+        r"```|::$|>>>", text, re.M
+    ):
+        raise DocsError(
+            f"{_name(path)}:{node.lineno}: escape sequences move this docstring's lines away "
+            'from the file\'s: make it a raw string (r""")'
+        )
+    lines = text.split("\n")
+    indent = min((len(s) - len(s.lstrip()) for s in lines[1:] if s.strip()), default=0)
+    return [lines[0].lstrip(), *(s[indent:] for s in lines[1:])]
+
+
+def _refuse_unchecked_code(path: Path, lines: list[str], first: int) -> None:
+    """DocsError for code the API reference would show but no test runs or type-checks."""
+    fenced = comment = False
+    context = "text"  # what an indented line continues: text | section | list
+    for i, line in enumerate(lines):
+        where = f"{_name(path)}:{first + i}"
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fenced = not fenced
+            continue
+        if comment or stripped.startswith("<!--"):
+            comment = "-->" not in stripped
+            continue
+        if fenced or not stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent == 0:
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            section = SECTION.match(line) if after[:1].isspace() and after.strip() else None
+            if section and section["title"] in EXAMPLE_SECTIONS:
+                raise DocsError(f"{where}: an {section['title']}: section is not checked: {HOW}")
+            context = "section" if section else "list" if LIST_ITEM.match(line) else "text"
+        if stripped.startswith(">>>"):
+            raise DocsError(f"{where}: a doctest (>>>) is neither run nor type-checked: {HOW}")
+        if stripped.endswith("::"):
+            raise DocsError(
+                f"{where}: a literal block (::) is neither run nor type-checked "
+                f"(and the site shows the '::'): {HOW}"
+            )
+        if indent >= 4 and context == "text" and i > 0 and not lines[i - 1].strip():
+            raise DocsError(
+                f"{where}: an indented block shows as code but is neither run nor "
+                f"type-checked: {HOW}"
+            )

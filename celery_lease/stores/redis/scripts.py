@@ -1,31 +1,33 @@
-"""Lua scripts of the Redis lease store.
+r"""Lua scripts of the Redis lease store.
 
 Key layout (every key is fixed per shard, resource names are only hash fields and set members,
-so no user input ever becomes part of a lease key name or pattern)::
+so no user input ever becomes part of a lease key name or pattern):
 
-    <prefix>{NN}:leases    hash   resource -> "<token> <fence> <acquired_us> <expires_us> <label>"
-                                  followed, when the claim recovered earlier work, by
-                                  "\n<prev_fence>\n<identity_state>\n<prev_label>" (the recovery
-                                  facts, so a claim retried after a lost reply returns them too)
-    <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
-    <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset),
-                                  "!epoch" -> server time (us) when the shard was first written,
-                                  and "!forced:<resource>" -> "<evicted fence> <fence after>" of
-                                  the last force-release there (until the fence moves on, its owner
-                                  learns why it lost the lease)
-    <prefix>{NN}:ids       hash   "<resource>|<identity>" ->
-                                  "<state>\n<fence>\n<token>\n<label>\n<result>"
-    <prefix>{NN}:ids_exp   zset   "<resource>|<identity>" -> when the record expires (us)
-    <prefix>{NN}:ckpt      hash   "<resource>|<identity>" -> "<fence>\n<checkpoints json>"
-    <prefix>{NN}:ledger    hash   "<resource>|<identity>|<key>" ->
-                                  "<state>\n<fence>\n<token>\n<receipt>"
-    <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
-    <prefix>{NN}:waits     hash   resource -> the FIFO wait list, one line per waiter, oldest
-                                  first: "<identity> <since_us> <expires_us> <woken_until_us>"
-    <prefix>{NN}:wpay      hash   "<resource>|<identity>" -> the waiter's wake payload (the
-                                  message its task sends again when woken), opaque text
-    <prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us): the
-                                  sweep drops wait lists nobody touched again through it
+```text
+<prefix>{NN}:leases    hash   resource -> "<token> <fence> <acquired_us> <expires_us> <label>"
+                              followed, when the claim recovered earlier work, by
+                              "\n<prev_fence>\n<identity_state>\n<prev_label>" (the recovery
+                              facts, so a claim retried after a lost reply returns them too)
+<prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
+<prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset),
+                              "!epoch" -> server time (us) when the shard was first written,
+                              and "!forced:<resource>" -> "<evicted fence> <fence after>" of
+                              the last force-release there (until the fence moves on, its owner
+                              learns why it lost the lease)
+<prefix>{NN}:ids       hash   "<resource>|<identity>" ->
+                              "<state>\n<fence>\n<token>\n<label>\n<result>"
+<prefix>{NN}:ids_exp   zset   "<resource>|<identity>" -> when the record expires (us)
+<prefix>{NN}:ckpt      hash   "<resource>|<identity>" -> "<fence>\n<checkpoints json>"
+<prefix>{NN}:ledger    hash   "<resource>|<identity>|<key>" ->
+                              "<state>\n<fence>\n<token>\n<receipt>"
+<prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
+<prefix>{NN}:waits     hash   resource -> the FIFO wait list, one line per waiter, oldest
+                              first: "<identity> <since_us> <expires_us> <woken_until_us>"
+<prefix>{NN}:wpay      hash   "<resource>|<identity>" -> the waiter's wake payload (the
+                              message its task sends again when woken), opaque text
+<prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us): the
+                              sweep drops wait lists nobody touched again through it
+```
 
 ``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
 the key is validated by the resource-name rule (no braces, globs or spaces) before it is used.
