@@ -260,8 +260,9 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         lease_task_types = tuple(_lease_task_types)
         for task in list(app.tasks.values()):
             if isinstance(task, lease_task_types):
-                # resolved now: a bad one stops the worker
-                cast("Any", task).lease_settings  # noqa: B018
+                # resolved now: a bad one stops the worker. Not kept: the task resolves again
+                # at its first run (a test may change a setting after its worker started).
+                cast("Any", task)._resolve_lease_settings()
         try:
             store = get_store(app, settings)
             warnings = store.check_health()

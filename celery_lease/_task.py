@@ -202,13 +202,21 @@ class LeaseTask(Task):  # type: ignore[misc]
     def _lease_overrides(cls) -> dict[str, Any]:
         return {name: getattr(cls, f"lease_{name}", None) for name in SETTING_NAMES}
 
+    def _resolve_lease_settings(self) -> LeaseSettings:
+        """Resolve this task's settings now, without keeping them (what the worker checks at
+        start: resolving must not fix what a later run, or a test, sees)."""
+        # The instance's attributes, as Celery reads task options: a test may set
+        # ``task.lease_ttl`` (a monkeypatch) on the one task object of its app.
+        overrides = {name: getattr(self, f"lease_{name}", None) for name in SETTING_NAMES}
+        return LeaseSettings.resolve(self.app.conf, overrides)
+
     @property
     def lease_settings(self) -> LeaseSettings:
         """This task's resolved settings (app ``lease_*`` keys overlaid with its own)."""
         cached = self._lease_settings_cache
         if cached is not None and cached[0] == Resolved.generation:
             return cached[1]
-        settings = LeaseSettings.resolve(self.app.conf, self._lease_overrides())
+        settings = self._resolve_lease_settings()
         self._lease_settings_cache = (Resolved.generation, settings)
         return settings
 

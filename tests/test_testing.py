@@ -330,3 +330,71 @@ def test_the_test_store_honours_the_app_s_store_options(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "2 passed" in run.stdout
     assert not (tmp_path / "leases.db").exists()  # the app's own store was never made
+
+
+SHORT_TTL_APP = """
+    import time
+
+    from celery import Celery
+
+    from celery_lease import current_lease, lease_task
+
+    app = Celery("short_ttl", broker="memory://", backend="cache+memory://")
+
+
+    @lease_task(app=app, resource="report/{n}")
+    def report(n):
+        return current_lease().ttl
+
+
+    @lease_task(app=app, resource="browser/account-{account_id}", ttl=60, max_retries=0)
+    def drive_browser(account_id):
+        return current_lease().ttl
+"""
+
+SHORT_TTL_TESTS = """
+    import pytest
+    from celery.contrib.testing.worker import start_worker
+
+    from short_ttl import app, drive_browser, report
+
+
+    @pytest.fixture
+    def eager():
+        app.conf.task_always_eager = True
+        yield
+        app.conf.task_always_eager = False
+
+
+    @pytest.fixture
+    def worker(lease_store):
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False) as w:
+            yield w
+
+
+    def test_a_task_s_own_ttl_set_in_a_test(eager, lease_store, monkeypatch):
+        monkeypatch.setattr(drive_browser, "lease_ttl", 1.0)
+        assert drive_browser.delay(1).get() == 1.0
+
+
+    def test_settings_set_in_a_test_after_its_worker_started(worker, lease_store, monkeypatch):
+        monkeypatch.setitem(app.conf, "lease_ttl", 2.0)
+        monkeypatch.setattr(drive_browser, "lease_ttl", 1.0)
+        assert report.delay(2).get(timeout=10) == 2.0
+        assert drive_browser.delay(2).get(timeout=10) == 1.0
+
+
+    def test_and_the_next_test_has_the_task_s_own_again(eager, lease_store):
+        assert drive_browser.delay(3).get() == 60.0
+        assert report.delay(3).get() == 60.0
+"""
+
+
+def test_a_setting_changed_in_the_test_body_applies_also_with_a_worker(tmp_path: Path) -> None:
+    """A short ttl set in a test (``app.conf``, or the task's own ``lease_ttl`` for a task with
+    ``ttl=``) is what the test's runs use, also when a worker fixture started before the body."""
+    run = _run_suite(
+        tmp_path, {"short_ttl.py": SHORT_TTL_APP, "test_short_ttl.py": SHORT_TTL_TESTS}
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "3 passed" in run.stdout
