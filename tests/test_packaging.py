@@ -71,10 +71,18 @@ class TestMissingDrivers:
         assert "secret" not in out
 
     def test_a_missing_redis_gets_an_install_hint(self):
-        """The same kind of hint for redis:// without redis-py."""
+        """The same kind of hint for redis:// without redis-py, and the same error
+        (LeaseConfigError, which ``except LeaseError`` catches, also from a FenceGate)."""
         out = _without(
             "redis",
+            "from celery_lease import FenceGate, LeaseConfigError\n"
             "from celery_lease.stores import store_from_url\n"
-            "store_from_url('redis://127.0.0.1:1/0')\n",
+            "for make in (store_from_url, FenceGate):\n"
+            "    try:\n"
+            "        make('redis://:secret@127.0.0.1:1/0')\n"
+            "    except LeaseConfigError as exc:\n"
+            "        print('LeaseConfigError:', exc)\n",
         )
-        assert "pip install 'celery-lease[redis]'" in out, out
+        assert out.count("LeaseConfigError:") == 2, out
+        assert out.count("pip install 'celery-lease[redis]'") == 2, out
+        assert "secret" not in out

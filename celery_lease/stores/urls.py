@@ -65,7 +65,8 @@ def store_from_url(url: str, **options: Any) -> LeaseStore:
 
     Raises:
         LeaseConfigError: the URL is empty, malformed or of an unsupported kind (named, with
-            its password masked), or an option is not one the store takes.
+            its password masked), its driver is not installed (naming the extra to install),
+            or an option is not one the store takes.
     """
     if not isinstance(url, str) or not url.strip():
         raise LeaseConfigError(
@@ -76,7 +77,10 @@ def store_from_url(url: str, **options: Any) -> LeaseStore:
     lowered = url.lower()
     kind = store_kind(url)
     if kind == "redis":
-        from .redis import RedisLeaseStore
+        try:
+            from .redis import RedisLeaseStore
+        except ImportError as exc:  # redis-py is an optional extra; the message names it
+            raise LeaseConfigError(f"{exc} (lease store URL {mask_url(url)!r})") from exc
 
         return RedisLeaseStore(url=url, **_checked(RedisLeaseStore, options))
     if kind in ("postgresql", "sqlite"):
