@@ -171,11 +171,18 @@ def fenced_update(
     Raises:
         StaleFenceError: a matching row carries a newer fence; no row was written.
         LookupError: no row matches ``where``.
+        LeaseConfigError: the table has no ``fence_column``.
     """
     import sqlalchemy as sa
 
     value = _fence_of(fence)
     table = target.__table__ if hasattr(target, "__table__") else target
+    if fence_column not in table.c:
+        raise LeaseConfigError(
+            f"fenced_update: table {table.name!r} has no column {fence_column!r}; add a nullable "
+            f"BIGINT column {fence_column!r} to it (or name the table's fence column with "
+            "fence_column=)"
+        )
     column = table.c[fence_column]
     bind = connection.get_bind() if hasattr(connection, "get_bind") else connection
     if bind.dialect.name == "postgresql":

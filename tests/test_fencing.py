@@ -20,7 +20,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from celery_lease import FenceGate, InvalidFenceTokenError, Owner, StaleFenceError
+from celery_lease import (
+    FenceGate,
+    InvalidFenceTokenError,
+    LeaseConfigError,
+    Owner,
+    StaleFenceError,
+)
 from celery_lease.fencing import (
     FENCING_HEADER,
     FenceSigner,
@@ -88,6 +94,26 @@ class TestSqlFencedUpdate:
         table = accounts_table(engine)
         with engine.begin() as conn, pytest.raises(LookupError):
             fenced_update(conn, table, table.c.id == 2, {"balance": 1}, 1)
+
+    def test_a_table_without_the_fence_column_is_a_config_error(self, tmp_path):
+        """A table (or model) without the column gets LeaseConfigError naming it and the fix,
+        not a KeyError from SQLAlchemy, and nothing is written."""
+        engine = sa.create_engine(f"sqlite:///{tmp_path}/app.db")
+        metadata = sa.MetaData()
+        table = sa.Table(
+            "accounts",
+            metadata,
+            sa.Column("id", sa.Integer, primary_key=True),
+            sa.Column("n", sa.Integer),
+        )
+        metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(table.insert().values(id=1, n=1))
+            for column in ("fence", "version"):
+                with pytest.raises(LeaseConfigError, match=rf"'accounts' has no column '{column}'"):
+                    fenced_update(conn, table, table.c.id == 1, {"n": 2}, 5, fence_column=column)
+            assert conn.execute(sa.select(table.c.n)).scalar() == 1
+        engine.dispose()
 
     def test_orm_model_in_a_session(self, engine):
         """ORM models and Sessions work the same way."""
