@@ -398,3 +398,39 @@ def test_a_setting_changed_in_the_test_body_applies_also_with_a_worker(tmp_path:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "3 passed" in run.stdout
+
+
+BUSY_TESTS = """
+    import time
+
+    import pytest
+    from celery.contrib.testing.worker import start_worker
+
+    from celery_lease import Owner
+    from short_ttl import app, report
+
+
+    @pytest.fixture
+    def worker(lease_store):
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False) as w:
+            yield w
+
+
+    def test_the_test_s_release_wakes_the_waiting_task(worker, lease_store):
+        holder = lease_store.acquire("report/4", Owner.new("someone else"), 60)
+        result = report.delay(4)
+        deadline = time.monotonic() + 10
+        while not lease_store.waiters("report/4"):
+            assert time.monotonic() < deadline, result.state
+            time.sleep(0.05)
+        lease_store.release(holder)
+        assert result.get(timeout=10) == 60.0
+"""
+
+
+def test_a_lease_the_test_holds_and_releases_wakes_its_waiter(tmp_path: Path) -> None:
+    """A task waiting for a lease the test holds runs as soon as the test releases it, as it
+    does when a task on a worker releases (not after its back-stop copy, a ttl later)."""
+    run = _run_suite(tmp_path, {"short_ttl.py": SHORT_TTL_APP, "test_busy.py": BUSY_TESTS})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout
