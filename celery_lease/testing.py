@@ -18,7 +18,8 @@ plus a few moves a test needs:
 * ``lease_store.expire(resource)`` makes the current lease look expired, as after the holder
   crashed: the next claim is a takeover with ``previous_fence`` and the checkpoints left behind;
 * ``paused_renewals()`` makes every renewal fail, so a running lease runs out at its ttl (minus
-  the self-fence margin) as if the worker froze: the body is interrupted and the task retried;
+  the self-fence margin) as if the worker froze: the body is interrupted and the task retried
+  (an eager run raises ``LeaseLostError``);
 * ``send_twice(task, args, kwargs)`` delivers the same message twice (one task id), as a broker
   redelivery does;
 * ``assert_no_stale_write_accepted(writes)`` and ``lease_store.assert_no_stale_write_accepted()``
@@ -208,8 +209,9 @@ def paused_renewals(store: TestLeaseStore | None = None) -> Iterator[None]:
     """While the block runs, renewals fail: a running lease runs out as if its worker froze.
 
     The holder self-fences at its ttl minus the margin (its own monotonic clock), its body is
-    interrupted and the task goes to RETRY, exactly as on a real worker. Use a short
-    ``lease_ttl`` in such a test (the lease runs out in real time). ``store`` defaults to the
+    interrupted and the task goes to RETRY, exactly as on a real worker (an eager run raises
+    ``LeaseLostError`` at once instead). Use a short ttl in such a test (the lease runs out in
+    real time). ``store`` defaults to the
     store in place (the ``lease_store`` fixture or ``using_store()``).
     """
     if store is None:
