@@ -19,7 +19,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from celery_lease import LeaseConfigError, LeaseStoreError, Owner
+from celery_lease import LeaseBusyError, LeaseConfigError, LeaseStoreError, Owner
 from celery_lease.stores import store_from_url
 from celery_lease.stores.redis import RedisLeaseStore
 from celery_lease.stores.sql import TABLE_RIGHTS
@@ -187,6 +187,12 @@ def exercise(role: Any, table_prefix: str) -> None:
         assert store.identity_get("r/a", "job-1").state == "done"
         assert store.gate_admit("g", lease.fence) == (True, lease.fence)
         assert store.gate_highest("g") == lease.fence
+        holder = store.acquire("r/w", Owner.new("role"), LONG, identity="job-2")
+        with pytest.raises(LeaseBusyError) as busy:  # joins the wait list
+            store.acquire("r/w", Owner.new("role"), LONG, identity="job-3", wait="wake-3")
+        assert busy.value.position == 1
+        assert [w.identity for w in store.waiters("r/w")] == ["job-3"]
+        assert store.release(holder) and holder.handoff == "wake-3"
         store.sweep_expired()
         store.list()
 
@@ -236,6 +242,28 @@ class TestPostgresLeastPrivilegeRole:
         assert f"role {role.name!r}" in message and "may not create the lease tables" in message
         assert f"init-schema --url OWNER_URL --grant {role.name}" in message
         assert role.password not in message
+
+    def test_tables_of_an_earlier_version_are_upgraded_by_init_schema(self, request):
+        """Tables made before the wait list: the role may not add it and is told to run
+        init-schema as the owner, which adds it (and nothing else is needed)."""
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = unique("up") + "_"
+        with owner_store(role, table_prefix) as owner:
+            role.grant(owner)
+            leases = owner.leases_table.name
+        run_as(
+            role.admin_url,
+            f"DROP INDEX {leases}_waits",
+            *(f"ALTER TABLE {leases} DROP COLUMN {c}"
+              for c in ("waits", "wait_slow_us", "waits_expire_us")),
+        )  # fmt: skip
+        with pytest.raises(
+            LeaseConfigError, match=f"init-schema --url OWNER_URL --grant {role.name}"
+        ):
+            store_from_url(role.url, table_prefix=table_prefix)
+        with owner_store(role, table_prefix):  # what init-schema does first
+            pass
+        exercise(role, table_prefix)
 
     @pytest.mark.parametrize(
         ("kind", "right"),

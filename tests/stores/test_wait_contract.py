@@ -1,23 +1,28 @@
-"""Wait list and hand-off contract (invariants 12-14 of base.py) over the stores that keep one.
-
-The SQL stores keep no wait list yet: they accept ``wait=`` and never queue (the task waits with
-the back-off), which the last class asserts.
-"""
+"""Wait list and hand-off contract (invariants 12-14 of base.py) over every store."""
 
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
 
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner
+from celery_lease.stores.sql.waits import load
 from tests.conftest import make_store
 from tests.tooling.servers import wait_for
 
 LONG = 30.0
 
 
-@pytest.fixture(params=("memory", "redis"))
+@pytest.fixture(
+    params=(
+        "memory",
+        "redis",
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    )
+)
 def wstore(request, tmp_path):
-    """A store with a wait list."""
+    """A store with a wait list (each of them)."""
     instance = make_store(request.param, request, tmp_path)
     try:
         yield instance
@@ -240,6 +245,14 @@ def _raw_waits(store, resource):
     """How many waiter lines the store keeps for ``resource``, lapsed ones included."""
     if hasattr(store, "_waits"):  # memory
         return len(store._waits.get(resource, ()))
+    if hasattr(store, "engine"):  # SQL: the places in the lease row, lapsed ones too
+        with store.engine.connect() as conn:
+            raw = conn.execute(
+                sa.select(store.leases_table.c.waits).where(
+                    store.leases_table.c.resource == resource
+                )
+            ).scalar()
+        return len(load(raw))
     waits, wpay = store._keys(store.shard_of(resource), "waits", "wpay")
     raw = store.client.hget(waits, resource)
     lines = raw.decode().count("\n") + 1 if raw else 0
@@ -279,15 +292,39 @@ def _count_commands(store, action):
     return len(sent)
 
 
-class TestSQLStoresDoNotQueueYet:
-    @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
-    def test_wait_is_accepted_and_the_claim_is_not_queued(self, kind, request, tmp_path, names):
-        """The task falls back to the back-off on these stores."""
-        store = make_store(kind, request, tmp_path)
+def _downgrade(store):
+    """Make ``store``'s lease table look like one an earlier version created: no wait list."""
+    leases = store.leases_table.name
+    with store.engine.begin() as conn:
+        conn.execute(sa.text(f"DROP INDEX {leases}_waits"))
+        for column in ("waits", "wait_slow_us", "waits_expire_us"):
+            conn.execute(sa.text(f"ALTER TABLE {leases} DROP COLUMN {column}"))
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+class TestTablesOfAnEarlierVersion:
+    def test_the_store_adds_the_wait_list_to_a_lease_table_made_without_it(
+        self, kind, request, tmp_path, names
+    ):
+        """Tables created by the version before the wait list keep their leases and fences
+        and gain the wait list when a store is made on them (create what is missing)."""
+        old = make_store(kind, request, tmp_path)
+        r = names + "r"
         try:
-            r = names + "r"
-            claim(store, r, "holder")
-            assert refused(store, r, "a").position is None
-            assert store.waiters(r) == []
+            before = claim(old, r, "holder", wait=False)
+            _downgrade(old)
+            with pytest.raises(Exception, match="waits"):  # the old tables cannot queue
+                refused(old, r, "a")
         finally:
-            store.close()
+            old.close()
+        table_prefix = old.leases_table.name.removesuffix("leases")
+        url = old.engine.url.render_as_string(hide_password=False)
+        from celery_lease.stores import store_from_url
+
+        with store_from_url(url, table_prefix=table_prefix) as store:
+            assert store.get(r).fence == before.fence  # the lease and its fence are kept
+            assert refused(store, r, "a").position == 1
+            assert store.release(before) and before.handoff == "payload-a"
+            assert claim(store, r, "a").fence > before.fence
+        with store_from_url(url, table_prefix=table_prefix) as again:  # nothing left to add
+            assert again.waiters(r) == []

@@ -13,6 +13,7 @@ from ..._codec import from_micros
 from ..._errors import LeaseLostError, LeaseStoreError
 from ..._lease import Lease
 from ..base import EffectRecord, IdentityInfo, IdentityRecords
+from . import waits
 from .rows import ClaimRow, identity_fields, recovery_facts, why_lost
 
 if TYPE_CHECKING:
@@ -59,25 +60,20 @@ def claim_identity(
             holder = cursor.fetchone()
             if holder is None:
                 return None
-            _, fence, acquired, expires, label, _, token, now, h_prev_label, h_prev_fence = holder
-            ckpt = None
-            if token == params["t"]:  # our own claim retried: it reports the checkpoints
-                cursor.execute(ledger.ckpt_read, params)
-                ckpt = cursor.fetchone()
-            return ClaimRow(
-                0,
-                0,
-                holder_token=token,
-                holder_label=label,
-                holder_fence=fence,
-                holder_acquired=acquired,
-                holder_expires=expires,
-                **identity_fields(ident),
-                checkpoints=ckpt[0] if ckpt else None,
-                now=now,
-                holder_prev_label=h_prev_label,
-                holder_prev_fence=h_prev_fence,
-            )
+            duplicate = ident[0] == "running" and ident[1] == holder[1]
+            claim, refused = waits.settle(cursor, sql, params, holder, duplicate=duplicate)
+            if claim is None:
+                ckpt = None
+                if holder[6] == params["t"]:  # our own claim retried: it reports the checkpoints
+                    cursor.execute(ledger.ckpt_read, params)
+                    ckpt = cursor.fetchone()
+                return ClaimRow(
+                    0,
+                    0,
+                    **identity_fields(ident),
+                    checkpoints=ckpt[0] if ckpt else None,
+                    **refused,
+                )
         fence, acquired, expires, prev_label, prev_fence = claim
         cursor.execute(ledger.mark, {**params, "f": fence, "facts": recovery_facts(ident)})
         cursor.execute(ledger.ckpt_read, params)
@@ -103,16 +99,17 @@ def release_outcome(
     cursor: Any,
     params: dict[str, Any],
     retention_us: int,
-) -> int:
-    """Release and record the identity's outcome in one step; the rows released (0 or 1)."""
+) -> tuple[int, str | None]:
+    """Release and record the identity's outcome in one step: the rows released (0 or 1) and
+    the payload of the waiter it woke."""
     params = {**params, "ret": retention_us}
     if db.dialect == "postgresql":
         cursor.execute(ledger.release_outcome, params)
-        return int(cursor.fetchone()[0])
+        released, _, wake = cursor.fetchone()
+        return int(released), wake
     with db.immediate(cursor):
         cursor.execute(ledger.ident_outcome, params)
-        cursor.execute(sql.release, params)
-        return int(cursor.rowcount)
+        return waits.release_sqlite(cursor, sql, params)
 
 
 # -- the ledger ---------------------------------------------------------------------------
@@ -249,9 +246,10 @@ def checkpoint(
 
 
 # -- retention ----------------------------------------------------------------------------
-def sweep(db: Connections, ledger: LedgerStatements, limit: int) -> int:
-    """Delete up to ``limit`` identity, checkpoint and ledger records past their retention."""
-    statements = ledger.sweep
+def sweep(db: Connections, statements: list[str], limit: int) -> int:
+    """Delete up to ``limit`` identity, checkpoint and ledger records past their retention, and
+    wait lists whose every place lapsed (``statements``: one per kind, each answering or
+    counting what it removed)."""
 
     def work(cursor: Any) -> int:
         removed = 0

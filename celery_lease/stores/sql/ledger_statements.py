@@ -18,6 +18,8 @@ the snapshot disagrees. On SQLite the same steps run inside one ``BEGIN IMMEDIAT
 
 from __future__ import annotations
 
+from . import wait_statements as wait_sql
+
 __all__ = ["LedgerStatements"]
 
 
@@ -137,37 +139,46 @@ class LedgerStatements:
             source=f"""SELECT {p("r")}, {p("t")}, {p("l")}, 1, clk.us, clk.us + {p("ttl")}
                 FROM clk WHERE NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done')"""
         )
+        duplicate = (
+            "EXISTS (SELECT 1 FROM old_ident AS o WHERE o.state = 'running' "
+            "AND o.fence = dec.fence)"
+        )
+        not_done = "NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done')"
         self.acquire = f"""
             WITH clk AS (SELECT {now} AS us),
             old_ident AS ({self.ident_read}),
-            claim AS ({claim}),
+            claim AS ({claim}),{wait_sql.claim_settle(t, p, duplicate, not_done)},
             mark AS ({
             mark.format(
                 source=f'''
-                SELECT {p("r")}, {p("i")}, 'running', claim.fence, {p("t")}, {p("l")},
+                SELECT {p("r")}, {p("i")}, 'running', claimed.fence, {p("t")}, {p("l")},
                        (SELECT o.state || chr(10) || o.fence || chr(10) || o.owner_label
                         FROM old_ident AS o),
                        clk.us + {p("ret")}
-                FROM claim, clk'''
+                FROM claimed, clk'''
             )
         } RETURNING 1)
-            SELECT (SELECT count(*) FROM claim), (SELECT count(*) FROM mark),
+            SELECT (SELECT count(*) FROM claimed), (SELECT count(*) FROM mark),
                    c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
                    h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
                    o.state, o.fence, o.owner_label, o.result,
-                   ({self.ckpt_read}), (SELECT us FROM clk), h.prev_label, h.prev_fence
+                   ({self.ckpt_read}), (SELECT us FROM clk), h.prev_label, h.prev_fence,
+                   {wait_sql.hand_off_columns(p)}
             FROM (SELECT 1) AS one
-            LEFT JOIN claim AS c ON true
-            LEFT JOIN {t} AS h ON h.resource = {p("r")} AND NOT EXISTS (SELECT 1 FROM claim)
+            LEFT JOIN claimed AS c ON true
+            LEFT JOIN nl AS h ON h.verdict <> 'claim'
             LEFT JOIN old_ident AS o ON true"""
         self.release_outcome = f"""
-            WITH upd AS ({self.ident_outcome} RETURNING 1),
+            WITH clk AS (SELECT {now} AS us),
+            upd AS ({self.ident_outcome} RETURNING 1),
             rel AS (
-                UPDATE {t} SET owner_token = NULL, prev_label = NULL,
-                    prev_fence = NULL
-                WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
-                RETURNING 1)
-            SELECT (SELECT count(*) FROM rel), (SELECT count(*) FROM upd)"""
+                UPDATE {t} AS u SET owner_token = NULL, prev_label = NULL,
+                    prev_fence = NULL,{wait_sql.release_columns(p)}
+                FROM clk
+                WHERE u.resource = {p("r")} AND u.owner_token = {p("t")} AND u.fence = {p("f")}
+                RETURNING {wait_sql.release_wake(p)} AS wake)
+            SELECT (SELECT count(*) FROM rel), (SELECT count(*) FROM upd),
+                   (SELECT max(wake) FROM rel)"""
         self.effect_begin = f"""
             WITH clk AS (SELECT {now} AS us),
             live AS ({live}),

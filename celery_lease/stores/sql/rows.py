@@ -56,6 +56,13 @@ class ClaimRow(NamedTuple):
     #: When not claimed: the lease row's own previous owner (what its first attempt recovered).
     holder_prev_label: Any = None
     holder_prev_fence: Any = None
+    #: When not claimed: the claim's place in the wait list (0: not queued), the payload of a
+    #: head waiter it woke, and the head waiter (with until when the resource is held for it)
+    #: when refused for a hand-off (see .waits).
+    position: Any = 0
+    wake: Any = None
+    hold: Any = None
+    hold_until: Any = None
 
 
 def identity_fields(ident: tuple[Any, ...]) -> dict[str, Any]:

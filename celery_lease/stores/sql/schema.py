@@ -10,8 +10,10 @@ import re
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
@@ -86,6 +88,7 @@ def create_tables(
                 if connections.dialect == "postgresql":
                     conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
                 metadata.create_all(conn, checkfirst=True)
+                _add_wait_columns(conn, tables["leases"])
             break
         except SQLAlchemyError as exc:  # another process created them at the same time
             if permission_denied(exc):  # ... or this role may not: retrying cannot help
@@ -121,6 +124,43 @@ def create_tables(
         )
 
 
+def wait_columns() -> list[sa.Column[Any]]:
+    """The lease row's wait list (see :mod:`.waits`): added to a table made before it existed."""
+    return [
+        # [[identity, since_us, expires_us, woken_until_us, payload], ...], oldest first
+        sa.Column("waits", sa.Text().with_variant(JSONB(), "postgresql"), nullable=True),
+        # until when nothing is held for a woken head (a wake missed its grace lately)
+        sa.Column("wait_slow_us", sa.BigInteger, nullable=True),
+        # when the list's last place lapses: the sweep finds lapsed lists through its index
+        sa.Column("waits_expire_us", sa.BigInteger, nullable=True),
+    ]
+
+
+def wait_index(prefix: str) -> sa.Index:
+    """The index of lists to sweep (only rows that have one: most never do)."""
+    where = sa.text("waits_expire_us IS NOT NULL")
+    return sa.Index(
+        f"{prefix}leases_waits", "waits_expire_us", postgresql_where=where, sqlite_where=where
+    )
+
+
+def _add_wait_columns(conn: sa.Connection, leases: sa.Table) -> None:
+    """Give a lease table made by an earlier version the wait-list columns and index (what
+    is there already is left alone; nothing is done when all is there)."""
+    inspector = sa.inspect(conn)
+    have = {column["name"] for column in inspector.get_columns(leases.name)}
+    quote = conn.dialect.identifier_preparer.quote
+    for column in wait_columns():
+        if column.name not in have:
+            kind = column.type.compile(dialect=conn.dialect)
+            conn.execute(
+                sa.text(f"ALTER TABLE {quote(leases.name)} ADD COLUMN {quote(column.name)} {kind}")
+            )
+    index = next(i for i in leases.indexes if i.name and i.name.endswith("leases_waits"))
+    if index.name not in {i["name"] for i in inspector.get_indexes(leases.name)}:
+        index.create(conn)
+
+
 def tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
     metadata = sa.MetaData()
     # "C" collation on PostgreSQL: byte order, the same order list() cursors assume.
@@ -137,7 +177,9 @@ def tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
             sa.Column("expires_us", sa.BigInteger, nullable=True),
             sa.Column("prev_label", sa.String(200), nullable=True),
             sa.Column("prev_fence", sa.BigInteger, nullable=True),
+            *wait_columns(),
             sa.Index(f"{prefix}leases_expiry", "expires_us", "resource"),
+            wait_index(prefix),
         ),
         "meta": sa.Table(
             f"{prefix}meta",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import wait_statements as wait_sql
+
 __all__ = ["Statements"]
 
 _NOW = {
@@ -37,6 +39,8 @@ class Statements:
         # The claim: insert, or take over a released or expired row, bumping the fence. The
         # previous owner is recorded in the same row (prev_*) when the row was never released;
         # the holder's prev_* tell a claim retried after a lost reply what the first found.
+        # Only a row nobody waits for is taken here: the wait list decides the others (see
+        # .waits), so the common claim never reads the list.
         upsert = f"""
             INSERT INTO {t} AS l
                 (resource, owner_token, owner_label, fence, acquired_us, expires_us)
@@ -49,7 +53,8 @@ class Statements:
                 expires_us = excluded.expires_us,
                 prev_label = CASE WHEN l.owner_token IS NULL THEN NULL ELSE l.owner_label END,
                 prev_fence = CASE WHEN l.owner_token IS NULL THEN NULL ELSE l.fence END
-            WHERE l.owner_token IS NULL OR l.expires_us <= excluded.acquired_us
+            WHERE (l.owner_token IS NULL OR l.expires_us <= excluded.acquired_us)
+              AND l.waits IS NULL
             RETURNING fence, acquired_us, expires_us, prev_label, prev_fence"""
         self.claim_upsert = upsert
         if dialect == "postgresql":
@@ -60,14 +65,26 @@ class Statements:
             )
             self.acquire = f"""
                 WITH clk AS (SELECT {now} AS us),
-                claim AS ({claim})
-                SELECT 1, fence, acquired_us, expires_us, prev_label, prev_fence,
-                       NULL::varchar, (SELECT us FROM clk), NULL::varchar, NULL::bigint
-                FROM claim
-                UNION ALL
-                SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token,
-                       (SELECT us FROM clk), prev_label, prev_fence
-                FROM {t} WHERE resource = {p("r")} AND NOT EXISTS (SELECT 1 FROM claim)"""
+                claim AS ({claim}),{wait_sql.claim_settle(t, p, "false", "true")}
+                SELECT (SELECT count(*) FROM claimed), (SELECT count(*) FROM claimed),
+                       c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
+                       h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
+                       NULL, NULL, NULL, NULL, NULL, (SELECT us FROM clk), h.prev_label,
+                       h.prev_fence,{wait_sql.hand_off_columns(p)}
+                FROM (SELECT 1) AS one
+                LEFT JOIN claimed AS c ON true
+                LEFT JOIN nl AS h ON h.verdict <> 'claim'"""
+            # The release also hands the resource over to the first waiter never woken.
+            self.release_wake = f"""
+                WITH clk AS (SELECT {now} AS us),
+                rel AS (
+                    UPDATE {t} AS u SET owner_token = NULL, prev_label = NULL,
+                        prev_fence = NULL,{wait_sql.release_columns(p)}
+                    FROM clk
+                    WHERE u.resource = {p("r")} AND u.owner_token = {p("t")}
+                      AND u.fence = {p("f")}
+                    RETURNING {wait_sql.release_wake(p)} AS wake)
+                SELECT count(*), max(wake) FROM rel"""
         else:
             self.acquire = upsert.format(
                 source=f"SELECT {p('r')}, {p('t')}, {p('l')}, 1, n.us, n.us + {p('ttl')} "
@@ -75,8 +92,27 @@ class Statements:
             )
             self.holder = f"""
                 SELECT 0, fence, acquired_us, expires_us, owner_label, NULL, owner_token, {now},
-                       prev_label, prev_fence
+                       prev_label, prev_fence, waits, wait_slow_us
                 FROM {t} WHERE resource = {p("r")}"""
+            # A claim the wait list decided (see .waits): take the row, writing the list.
+            self.take = f"""
+                UPDATE {t} SET owner_token = {p("t")}, owner_label = {p("l")},
+                    fence = fence + 1, acquired_us = {p("now")},
+                    expires_us = {p("now")} + {p("ttl")},
+                    prev_label = CASE WHEN owner_token IS NULL THEN NULL ELSE owner_label END,
+                    prev_fence = CASE WHEN owner_token IS NULL THEN NULL ELSE fence END,
+                    waits = {p("waits")}, wait_slow_us = {p("slow")},
+                    waits_expire_us = {p("wexp")}
+                WHERE resource = {p("r")}
+                RETURNING fence, acquired_us, expires_us, prev_label, prev_fence"""
+            self.waits_write = f"""
+                UPDATE {t} SET waits = {p("waits")}, wait_slow_us = {p("slow")},
+                    waits_expire_us = {p("wexp")}
+                WHERE resource = {p("r")}"""
+            self.release_wake = f"""
+                UPDATE {t} SET owner_token = NULL, prev_label = NULL, prev_fence = NULL
+                WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+                RETURNING waits, wait_slow_us, {now}"""
         self.renew_one = f"""
             UPDATE {t} SET expires_us = {now} + {p("ttl")}
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
@@ -90,6 +126,26 @@ class Statements:
             UPDATE {t} SET owner_token = NULL, prev_label = NULL,
                 prev_fence = NULL
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}"""
+        self.waiters = f"SELECT waits, {now} FROM {t} WHERE resource = {p('r')}"
+        # Wait lists whose every place lapsed (nobody came back), through their index.
+        if dialect == "postgresql":
+            self.sweep_waits = f"""
+                WITH clk AS (SELECT {now} AS us),
+                gone AS (
+                    UPDATE {t} SET waits = NULL, wait_slow_us = NULL, waits_expire_us = NULL
+                    WHERE resource IN (
+                        SELECT resource FROM {t}
+                        WHERE waits_expire_us <= (SELECT us FROM clk)
+                        ORDER BY waits_expire_us LIMIT {p("n")} FOR UPDATE SKIP LOCKED)
+                      AND waits_expire_us <= (SELECT us FROM clk)
+                    RETURNING 1)
+                SELECT count(*) FROM gone"""
+        else:
+            self.sweep_waits = f"""
+                UPDATE {t} SET waits = NULL, wait_slow_us = NULL, waits_expire_us = NULL
+                WHERE rowid IN (
+                    SELECT rowid FROM {t} WHERE waits_expire_us <= {now}
+                    ORDER BY waits_expire_us LIMIT {p("n")})"""
         self.get = f"""
             SELECT owner_label, fence, acquired_us, expires_us, {now}
             FROM {t} WHERE resource = {p("r")} AND owner_token IS NOT NULL"""

@@ -47,7 +47,7 @@ from ..base import (
     monotonic,
     previous_owner,
 )
-from . import ledger, schema
+from . import ledger, schema, waits
 from . import statements as stmts
 from .connection import Connections, create_engine, fetch, one
 from .ledger_statements import LedgerStatements
@@ -174,13 +174,19 @@ class SQLLeaseStore(BaseLeaseStore):
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
-        # No wait list in SQL yet: a refused claim is not queued (position None), so the task
-        # waits with the back-off as before.
-        self._wait_args(identity, wait, wait_ttl)
+        payload = self._wait_args(identity, wait, wait_ttl)
         ttl_us = max(1, round(ttl * 1e6))
-        params = {"r": resource, "t": owner.token, "l": owner.label, "ttl": ttl_us}
-        if identity is not None:
-            params["i"] = identity
+        params = {
+            "r": resource,
+            "t": owner.token,
+            "l": owner.label,
+            "ttl": ttl_us,
+            "i": identity,
+            "w": payload or None,
+            "wttl": max(1, round(wait_ttl * 1e6)),
+            "cap": self.wait_cap,
+            "grace": max(1, round(self.handoff_grace * 1e6)),
+        }
         claim = self._claim if identity is None else self._claim_identity
         for _ in range(3):
             sent = monotonic()
@@ -189,7 +195,7 @@ class SQLLeaseStore(BaseLeaseStore):
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
              h_fence, h_acquired, h_expires, i_state, i_fence, i_label, i_result, ckpt,
-             now, h_prev_label, h_prev_fence) = row  # every ClaimRow field, in order  # fmt: skip
+             now, h_prev_label, h_prev_fence) = row[:20]  # ClaimRow fields, in order  # fmt: skip
             if identity is not None and not claimed and i_state == "done":
                 raise IdentityDoneError.completed(resource, identity, i_fence, i_result)
             if claimed and not marked:
@@ -198,6 +204,15 @@ class SQLLeaseStore(BaseLeaseStore):
                 assert identity is not None
                 return self._completed_meanwhile(resource, owner, identity, fence, acquired, ttl)
             if not claimed:
+                if row.hold is not None:  # free, and held for the head waiter: wait behind it
+                    raise LeaseBusyError.held(
+                        resource,
+                        f"the waiting task {row.hold} (hand-off)",
+                        int(h_fence or 0),
+                        (row.hold_until - now) / 1e6,
+                        position=row.position,
+                        wake=row.wake,
+                    )
                 if h_token is None or h_expires <= now:
                     # Our snapshot shows the lease free (released or expired), but a claim
                     # racing ours committed first: held by an owner we cannot see yet.
@@ -210,6 +225,7 @@ class SQLLeaseStore(BaseLeaseStore):
                         (h_expires - now) / 1e6,
                         # the holder runs this very identity: a duplicate of running work
                         duplicate=i_state == "running" and i_fence == h_fence,
+                        position=row.position,
                     )
                 # The same claim retried after a lost reply: the same lease, and what the first
                 # attempt recovered (the lease row's prev_*, the identity row's hidden facts).
@@ -266,44 +282,28 @@ class SQLLeaseStore(BaseLeaseStore):
         if self.dialect == "postgresql":
             cursor.execute(self.sql.acquire, params)
             row = one(cursor)
-        else:
-            with self._connections.immediate(cursor):
-                cursor.execute(self.sql.acquire, params)
-                row = cursor.fetchone()
-                if row is not None:
-                    fence, acquired, expires, prev_label, prev_fence = row
-                    row = (1, fence, acquired, expires, prev_label, prev_fence, None, acquired,
-                           None, None)  # fmt: skip
-                else:
-                    cursor.execute(self.sql.holder, params)
-                    row = one(cursor)
-        if row is None:
-            return None
-        ok, fence, acquired, expires, label, prev_fence, token, now, h_prev_label, h_prev_fence = (
-            row
-        )
-        if ok:
-            return ClaimRow(
-                1,
-                1,
-                fence=fence,
-                acquired=acquired,
-                expires=expires,
-                prev_label=label,
-                prev_fence=prev_fence,
-                now=now,
-            )
+            return None if row is None else ClaimRow(*row)
+        with self._connections.immediate(cursor):
+            cursor.execute(self.sql.acquire, params)
+            claim = cursor.fetchone()
+            if claim is None:
+                cursor.execute(self.sql.holder, params)
+                holder = one(cursor)
+                if holder is None:
+                    return None
+                claim, refused = waits.settle(cursor, self.sql, params, holder, duplicate=False)
+                if claim is None:
+                    return ClaimRow(0, 0, **refused)
+        fence, acquired, expires, prev_label, prev_fence = claim
         return ClaimRow(
-            0,
-            0,
-            holder_token=token,
-            holder_label=label,
-            holder_fence=fence,
-            holder_acquired=acquired,
-            holder_expires=expires,
-            now=now,
-            holder_prev_label=h_prev_label,
-            holder_prev_fence=h_prev_fence,
+            1,
+            1,
+            fence=fence,
+            acquired=acquired,
+            expires=expires,
+            prev_label=prev_label,
+            prev_fence=prev_fence,
+            now=acquired,
         )
 
     def renew_many(
@@ -370,7 +370,10 @@ class SQLLeaseStore(BaseLeaseStore):
         self._outcome_args(lease, outcome)
         params = {"r": lease.resource, "t": lease.owner.token, "f": lease.fence}
 
-        def work(cursor: Any) -> int:
+        params["grace"] = max(1, round(self.handoff_grace * 1e6))
+        lease.handoff = None
+
+        def work(cursor: Any) -> tuple[int, str | None]:
             if outcome is not None:
                 return ledger.release_outcome(
                     self._connections,
@@ -385,10 +388,15 @@ class SQLLeaseStore(BaseLeaseStore):
                     },
                     self._retention_us,
                 )
-            cursor.execute(self.sql.release, params)
-            return int(cursor.rowcount)
+            if self.dialect == "postgresql":
+                cursor.execute(self.sql.release_wake, params)
+                released, wake = cursor.fetchone()
+                return int(released), wake
+            with self._connections.immediate(cursor):
+                return waits.release_sqlite(cursor, self.sql, params)
 
-        return self._connections.run(f"release of {lease.resource!r}", work) == 1
+        released, lease.handoff = self._connections.run(f"release of {lease.resource!r}", work)
+        return released == 1
 
     def _claim_identity(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
         return ledger.claim_identity(
@@ -426,12 +434,22 @@ class SQLLeaseStore(BaseLeaseStore):
         return ledger.identity_records(self._connections, self.ledger_sql, resource, ident, limit)
 
     def sweep_expired(self, *, limit: int = 1000) -> int:
-        return ledger.sweep(self._connections, self.ledger_sql, self._sweep_args(limit))
+        statements = [*self.ledger_sql.sweep, self.sql.sweep_waits]
+        return ledger.sweep(self._connections, statements, self._sweep_args(limit))
 
     def waiters(self, resource: str) -> builtins.list[Waiter]:
-        """No wait list in SQL stores yet: always empty."""
         validate_resource(resource)
-        return []
+        params = {"r": resource}
+        row = self._connections.run(
+            f"wait list read of {resource!r}", lambda c: fetch(c, self.sql.waiters, params)
+        )
+        if row is None:
+            return []
+        raw, now = row
+        return [
+            Waiter(place, w[0], from_micros(w[1]), from_micros(w[2]), int(w[3]) > now)
+            for place, w in enumerate(waits.Waits.read(raw, 0, now, 0).places, 1)
+        ]
 
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)

@@ -1,0 +1,233 @@
+"""The wait list of the SQL store (invariants 12-14 of ``stores/base.py``), kept in the lease row.
+
+A resource's FIFO wait list lives in three columns of its lease row: ``waits``, the places oldest
+first, each ``[identity, since_us, expires_us, woken_until_us, payload]`` (JSONB on PostgreSQL,
+JSON text on SQLite); ``wait_slow_us``, until when nothing is held for a woken head because a
+wake missed its grace lately; and ``waits_expire_us``, when the last place lapses (indexed, so
+the sweep finds lists nobody came back to). All three are NULL when nobody waits, which is
+all the common claim and release look at.
+
+In the lease row the list is changed under the same row lock as the lease: on PostgreSQL every
+decision is made on the newest committed row (the claim's ``ON CONFLICT`` and a ``FOR UPDATE``
+read, see :mod:`.wait_statements`), so a claim, a join and a release racing each other are
+serialised by the row, in one statement each. On SQLite the decisions below run in Python inside
+the claim's or release's ``BEGIN IMMEDIATE`` transaction; the PostgreSQL statements make the
+same decisions in SQL (the contract suite runs both).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .statements import Statements
+
+__all__ = [
+    "Settled",
+    "Waits",
+    "decide",
+    "load",
+    "release_sqlite",
+    "release_wake",
+    "settle",
+    "stored",
+]
+
+#: A wait list entry: [identity, since_us, expires_us, woken_until_us, payload].
+Place = list[Any]
+
+
+def load(raw: Any) -> list[Place]:
+    """The places in a ``waits`` column as the driver returns it (None, JSON text or a list)."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        return list(json.loads(raw))
+    return list(raw)
+
+
+@dataclass(slots=True)
+class Waits:
+    """A lease row's wait list with lapsed places dropped, as of ``now``."""
+
+    places: list[Place]
+    slow: int
+
+    @classmethod
+    def read(cls, raw: Any, slow: Any, now: int, hold: int) -> Waits:
+        """Drop lapsed places; a woken waiter that did not claim within its grace holds
+        nothing for woken heads for ``hold`` us after its grace ended."""
+        places = load(raw)
+        floor = int(slow or 0)
+        missed = max((int(p[3]) for p in places if 0 < int(p[3]) <= now), default=0)
+        if missed:
+            floor = max(floor, missed + hold)
+        return cls([p for p in places if int(p[2]) > now], floor)
+
+    def position(self, identity: str | None) -> int:
+        """1-based place of ``identity``, 0 when it does not wait."""
+        for place, entry in enumerate(self.places, 1):
+            if entry[0] == identity:
+                return place
+        return 0
+
+    def join(self, identity: str, payload: str, until: int, now: int, cap: int) -> int:
+        """Put ``identity`` at the back, or keep and refresh its place; its place (0: full)."""
+        place = self.position(identity)
+        if place:
+            entry = self.places[place - 1]
+            entry[2] = max(int(entry[2]), until)
+            entry[4] = payload
+            return place
+        if len(self.places) >= cap:
+            return 0
+        self.places.append([identity, now, until, 0, payload])
+        return len(self.places)
+
+
+def wake(entry: Place, until: int) -> None:
+    """Mark a waiter woken until ``until`` (its place kept at least as long)."""
+    entry[3] = until
+    entry[2] = max(int(entry[2]), until)
+
+
+def stored(waits: Waits) -> dict[str, Any]:
+    """The columns to write for ``waits`` (all NULL for an empty list)."""
+    if not waits.places:
+        return {"waits": None, "slow": None, "wexp": None}
+    return {
+        "waits": json.dumps(waits.places, separators=(",", ":")),
+        "slow": waits.slow or None,
+        "wexp": max(int(p[2]) for p in waits.places),
+    }
+
+
+@dataclass(slots=True)
+class Settled:
+    """What a claim the plain upsert did not take does (see :func:`decide`)."""
+
+    verdict: str  # "busy" (held by another), "mine" (this claim retried), "held", "claim"
+    waits: Waits
+    write: bool = False  # the list changed: write it back
+    position: int = 0
+    wake: str | None = None  # the head's payload, woken by this claim
+    head: Place | None = field(default=None)
+
+
+def decide(
+    holder: tuple[Any, Any, Any],
+    raw: Any,
+    slow: Any,
+    *,
+    token: str,
+    identity: str | None,
+    payload: str | None,
+    duplicate: bool,
+    wait_ttl_us: int,
+    cap: int,
+    grace_us: int,
+) -> Settled:
+    """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now)."""
+    owner, expires, now = holder
+    waits = Waits.read(raw, slow, now, 10 * grace_us)
+    head = waits.places[0] if waits.places else None
+    live = owner is not None and expires > now
+    if live and owner != token:
+        verdict = "busy"
+    elif live:
+        verdict = "mine"
+    elif (
+        head is not None
+        and head[0] != identity
+        and waits.slow <= now
+        and (head[3] == 0 or head[3] > now)
+    ):
+        verdict = "held"
+    else:
+        settled = Settled("claim", waits, write=True, head=head)
+        place = waits.position(identity)
+        if place:
+            del waits.places[place - 1]
+        return settled
+    settled = Settled(verdict, waits, head=head)
+    if verdict == "mine":
+        return settled
+    if payload is not None and identity is not None and not (verdict == "busy" and duplicate):
+        settled.position = waits.join(identity, payload, now + wait_ttl_us, now, cap)
+        settled.write = True
+    if verdict == "held" and head is not None and head[3] == 0:  # nobody woke it: wake it now
+        wake(head, now + grace_us)
+        settled.wake = head[4]
+        settled.write = True
+    return settled
+
+
+def release_wake(raw: Any, slow: Any, now: int, grace_us: int) -> tuple[Waits, str | None]:
+    """After a release: wake the first waiter never woken, unless a wake sent less than the
+    grace ago is unclaimed (one wake in flight at a time). The list and the payload to send."""
+    waits = Waits.read(raw, slow, now, 10 * grace_us)
+    if any(int(p[3]) > now for p in waits.places):
+        return waits, None
+    for entry in waits.places:
+        if int(entry[3]) == 0:
+            wake(entry, now + grace_us)
+            return waits, str(entry[4])
+    return waits, None
+
+
+# -- SQLite: the decisions run inside the caller's BEGIN IMMEDIATE ---------------------------
+def settle(
+    cursor: Any, sql: Statements, params: dict[str, Any], holder: Any, *, duplicate: bool
+) -> tuple[Any, dict[str, Any]]:
+    """Settle a claim the plain upsert refused, from its lease row (``sql.holder``): the new
+    lease row (fence, acquired, expires, prev_label, prev_fence) and ``{}`` when it claims,
+    else None and the ClaimRow fields of the refusal."""
+    _, fence, acquired, expires, label, _, token, now, prev_label, prev_fence, raw, slow = holder
+    settled = decide(
+        (token, expires, now),
+        raw,
+        slow,
+        token=params["t"],
+        identity=params.get("i"),
+        payload=params.get("w"),
+        duplicate=duplicate,
+        wait_ttl_us=params["wttl"],
+        cap=params["cap"],
+        grace_us=params["grace"],
+    )
+    if settled.verdict == "claim":
+        cursor.execute(sql.take, {**params, "now": now, **stored(settled.waits)})
+        return cursor.fetchone(), {}
+    if settled.write:
+        cursor.execute(sql.waits_write, {"r": params["r"], **stored(settled.waits)})
+    refused: dict[str, Any] = {
+        "holder_token": token,
+        "holder_label": label,
+        "holder_fence": fence,
+        "holder_acquired": acquired,
+        "holder_expires": expires,
+        "now": now,
+        "holder_prev_label": prev_label,
+        "holder_prev_fence": prev_fence,
+        "position": settled.position,
+        "wake": settled.wake,
+    }
+    if settled.verdict == "held" and settled.head is not None:
+        refused["hold"], refused["hold_until"] = settled.head[0], settled.head[3]
+    return None, refused
+
+
+def release_sqlite(cursor: Any, sql: Statements, params: dict[str, Any]) -> tuple[int, str | None]:
+    """Release (``sql.release_wake``) and wake the next waiter: (rows released, its payload)."""
+    cursor.execute(sql.release_wake, params)
+    row = cursor.fetchone()
+    if row is None:
+        return 0, None
+    raw, slow, now = row
+    if raw is None:
+        return 1, None
+    waits, payload = release_wake(raw, slow, now, params["grace"])
+    cursor.execute(sql.waits_write, {"r": params["r"], **stored(waits)})
+    return 1, payload
