@@ -79,6 +79,7 @@ def test_a_running_tasks_duplicate_is_rearmed_whatever_on_busy_says(
         if on_busy == "fail":
             assert how == "failure"
             assert state_while_running == "FAILURE", "no FAILURE stored: the control is broken"
+            worker_a.kill()  # its body sleeps 60 s: a warm shutdown would wait 15 s for it
             return
         assert how == "skipped"
         worker_a.kill()
