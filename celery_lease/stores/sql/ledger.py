@@ -13,6 +13,7 @@ from ..._codec import from_micros
 from ..._errors import LeaseLostError, LeaseStoreError
 from ..._lease import Lease
 from ..base import EffectRecord, IdentityInfo, IdentityRecords
+from . import wait_statements as wait_sql
 from . import waits
 from .rows import ClaimRow, identity_fields, recovery_facts, why_lost
 
@@ -45,8 +46,7 @@ def claim_identity(
     """The claim with identity (``params`` as for the plain claim, plus ``i``), as a ClaimRow."""
     params = {**params, "ret": retention_us}
     if db.dialect == "postgresql":
-        cursor.execute(ledger.acquire, params)
-        row = cursor.fetchone()
+        row = wait_sql.fetch(cursor, ledger.acquire_raw, params)
         return None if row is None else ClaimRow(*row)
     with db.immediate(cursor):
         cursor.execute(ledger.ident_read, params)
@@ -104,8 +104,7 @@ def release_outcome(
     the payload of the waiter it woke."""
     params = {**params, "ret": retention_us}
     if db.dialect == "postgresql":
-        cursor.execute(ledger.release_outcome, params)
-        released, _, wake = cursor.fetchone()
+        released, _, wake = wait_sql.fetch(cursor, ledger.release_outcome_raw, params)
         return int(released), wake
     with db.immediate(cursor):
         cursor.execute(ledger.ident_outcome, params)

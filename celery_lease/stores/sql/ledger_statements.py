@@ -179,6 +179,8 @@ class LedgerStatements:
                 RETURNING {wait_sql.release_wake(p)} AS wake)
             SELECT (SELECT count(*) FROM rel), (SELECT count(*) FROM upd),
                    (SELECT max(wake) FROM rel)"""
+        self.acquire_raw = wait_sql.raw(self.acquire)
+        self.release_outcome_raw = wait_sql.raw(self.release_outcome)
         self.effect_begin = f"""
             WITH clk AS (SELECT {now} AS us),
             live AS ({live}),

@@ -85,6 +85,8 @@ class Statements:
                       AND u.fence = {p("f")}
                     RETURNING {wait_sql.release_wake(p)} AS wake)
                 SELECT count(*), max(wake) FROM rel"""
+            self.acquire_raw = wait_sql.raw(self.acquire)
+            self.release_raw = wait_sql.raw(self.release_wake)
         else:
             self.acquire = upsert.format(
                 source=f"SELECT {p('r')}, {p('t')}, {p('l')}, 1, n.us, n.us + {p('ttl')} "

@@ -49,6 +49,7 @@ from ..base import (
 )
 from . import ledger, schema, waits
 from . import statements as stmts
+from . import wait_statements as wait_sql
 from .connection import Connections, create_engine, fetch, one
 from .ledger_statements import LedgerStatements
 from .rows import NO_ROW, ClaimRow, recovered_from, why_lost
@@ -280,8 +281,7 @@ class SQLLeaseStore(BaseLeaseStore):
     def _claim(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
         """The claim without identity, answered as a ClaimRow."""
         if self.dialect == "postgresql":
-            cursor.execute(self.sql.acquire, params)
-            row = one(cursor)
+            row = wait_sql.fetch(cursor, self.sql.acquire_raw, params)
             return None if row is None else ClaimRow(*row)
         with self._connections.immediate(cursor):
             cursor.execute(self.sql.acquire, params)
@@ -389,8 +389,7 @@ class SQLLeaseStore(BaseLeaseStore):
                     self._retention_us,
                 )
             if self.dialect == "postgresql":
-                cursor.execute(self.sql.release_wake, params)
-                released, wake = cursor.fetchone()
+                released, wake = wait_sql.fetch(cursor, self.sql.release_raw, params)
                 return int(released), wake
             with self._connections.immediate(cursor):
                 return waits.release_sqlite(cursor, self.sql, params)
