@@ -8,8 +8,9 @@ body sleeps.
 
 What each task does is written to the report Redis (its own server, never the store), one
 ``RPUSH`` per attempt, after the attempt ends (``task_postrun``, after the lease release):
-``{"i", "pid", "attempt_at", "start", "end", "state", "calls"}`` where ``attempt_at`` is when
-the attempt called ``acquire`` (its arrival at the store, give or take the client's own delays),
+``{"i", "pid", "attempt_at", "start", "end", "state", "calls", "answered_at"}`` where
+``attempt_at`` is when the attempt called ``acquire`` (its arrival at the store, give or take
+the client's own delays) and ``answered_at`` when that call's answer came back,
 ``start``/``end`` bracket the body (absent when the attempt did not run it) and ``calls`` counts
 the lease store calls this attempt made (acquire, release, ... counted in-process by wrapping
 the store methods, whatever the store). Times are ``time.time()`` (one clock for every process
@@ -94,9 +95,13 @@ def _counted(method: Any) -> Any:
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         _local.calls = getattr(_local, "calls", 0) + 1
-        if first_claim and getattr(_local, "claim_at", None) is None:
-            _local.claim_at = time.time()  # the attempt's arrival, as near the store as we see
-        return method(self, *args, **kwargs)
+        if not first_claim or getattr(_local, "claim_at", None) is not None:
+            return method(self, *args, **kwargs)
+        _local.claim_at = time.time()  # the attempt's arrival, as near the store as we see
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _local.answered_at = time.time()  # the store's answer came back: it was queued
 
     return call
 
@@ -141,7 +146,7 @@ def _prerun(task: Any = None, **_: Any) -> None:
     if task.name not in HOT_TASKS:
         return
     _local.attempt_at = time.time()
-    _local.start = _local.end = _local.claim_at = None
+    _local.start = _local.end = _local.claim_at = _local.answered_at = None
     _local.calls = 0
 
 
@@ -158,5 +163,6 @@ def _postrun(task: Any = None, args: Any = None, state: Any = None, **_: Any) ->
         "end": _local.end,
         "state": state,
         "calls": getattr(_local, "calls", 0),
+        "answered_at": getattr(_local, "answered_at", None),
     }
     _reporter().rpush(f"hot:{run}", json.dumps(record))

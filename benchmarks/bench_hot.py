@@ -11,9 +11,11 @@ Every leased task of a run claims the same resource. Run side by side in one sit
 Per run it reports the makespan (first publish to last body end), utilization (N*H/makespan),
 the hand-off gap between one body's end and the next body's start (p50/p90/max), overtakes
 (tasks whose body started before that of a task that arrived, i.e. made its first attempt, more
-than 10 ms earlier and was still waiting), overlaps (bodies that started before the previous one
-ended: must be 0), store calls per hand-off and busy claims per task (attempts that did not run
-the body). Times come from the tasks themselves (see ``_bench_hot_app``).
+than 10 ms earlier and was still waiting; ``sure``: those where the earlier task's first claim
+had even come back from the store before the later one was sent), overlaps (bodies that
+started before the previous one ended: must be 0), store calls per hand-off and busy claims
+per task (attempts that did not run the body). Times come from the tasks themselves (see
+``_bench_hot_app``).
 
 It is a measurement, not a test: it prints the table (and PASS/FAIL per target) and exits 0
 (130 when interrupted)::
@@ -81,7 +83,10 @@ def analyse(
     """Turn the tasks' attempt records into the run's figures."""
     bodies = sorted((r for r in records if r.get("start") is not None), key=lambda r: r["start"])
     arrival: dict[int, float] = {}
+    answered: dict[int, float] = {}  # when the first attempt's claim came back
     for r in records:
+        if r["attempt_at"] <= arrival.get(r["i"], r["attempt_at"]):
+            answered[r["i"]] = r.get("answered_at") or r["attempt_at"]
         arrival[r["i"]] = min(arrival.get(r["i"], r["attempt_at"]), r["attempt_at"])
     gaps, overlaps = [], 0
     for prev, cur in itertools.pairwise(bodies):
@@ -91,6 +96,19 @@ def analyse(
         gaps.append(max(gap, 0.0))
     start = {r["i"]: r["start"] for r in bodies}
     overtakes = 0
+    # Sure overtakes: a's refused claim had come back (so the store had queued it) before b's
+    # claim was sent. An overtake that is not sure may be two claims in flight at once, their
+    # order at the store unknown (a round trip under load, a first connection's handshake).
+    sure = sum(
+        1
+        for b in bodies
+        if any(
+            answered[a["i"]] + OVERTAKE_MARGIN < arrival[b["i"]]
+            and b["start"] < a["start"]
+            and a["start"] > arrival[b["i"]]
+            for a in bodies
+        )
+    )
     for b in bodies:
         for a in bodies:
             if (
@@ -115,6 +133,7 @@ def analyse(
         "gap_max": max(gaps) if gaps else None,
         "overlaps": overlaps,
         "overtakes": overtakes,
+        "overtakes_sure": sure,
         "attempts": attempts,
         "busy_per_task": (attempts - len(bodies)) / n,
         "store_calls": calls,
@@ -201,7 +220,7 @@ def fmt(value: Any, spec: str) -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'pool':8} {'variant':16} {'makespan':>9} {'util':>5} {'gap p50':>8} {'p90':>7} "
-        f"{'max':>7} {'overtk':>6} {'overlap':>7} {'calls/ho':>8} {'busy/task':>9}"
+        f"{'max':>7} {'overtk':>6} {'sure':>4} {'overlap':>7} {'calls/ho':>8} {'busy/task':>9}"
     )
     print(head)
     for r in rows:
@@ -210,7 +229,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt(r['utilization'], '5.0%')} {fmt(r['gap_p50'] and r['gap_p50'] * 1e3, '6.1f')}ms"
             f" {fmt(r['gap_p90'] and r['gap_p90'] * 1e3, '5.0f')}ms"
             f" {fmt(r['gap_max'] and r['gap_max'] * 1e3, '5.0f')}ms {r['overtakes']:>6} "
-            f"{r['overlaps']:>7} {fmt(r['store_calls_per_handoff'], '8.2f')} "
+            f"{r.get('overtakes_sure', 0):>4} {r['overlaps']:>7} "
+            f"{fmt(r['store_calls_per_handoff'], '8.2f')} "
             f"{fmt(r['busy_per_task'], '9.2f')}"
             + ("  TIMED OUT" if r["timed_out"] else "")
             + (f"  {r['bodies'] - r['ran']} BODIES TWICE" if r["bodies"] > r["ran"] else "")
