@@ -17,9 +17,10 @@ signal, right before the ack); the counter equals N, the number of acknowledged 
 increment is applied exactly once at the counter and the values the increments wrote are exactly
 1..N; each identity record is done with the acknowledged result; the history is clean (fences
 increase across claims; accepted writes, in the counter's own order -- the value each wrote --
-carry non-decreasing fences; each increment took effect once). N is 800 on Redis (about 50 s
-on the 2-core machine) but 200 on PostgreSQL: one counter serialises every increment, and 800
-took 106 s there.
+carry non-decreasing fences; each increment took effect once). N is 400 on Redis (about 25 s
+on the 2-core machine; with a plain read and write instead of the fenced one, 400 increments
+under this nemesis lost updates: counter 397 of 400, two stale writes) and 200 on PostgreSQL:
+one counter serialises every increment, and 800 took 106 s there.
 
 The result backend's state is printed rather than asserted for every task: its guard against
 overwriting SUCCESS (``BaseKeyValueStoreBackend._store_result``) reads, then writes. Seen twice in
@@ -55,7 +56,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos_ci, pytest.mark.slow]
 TTL = 1.0
 WORKERS = 4
 CONCURRENCY = 4
-N = {"redis": 800, "postgres": 200}
+N = {"redis": 400, "postgres": 200}
 NEGATIVE_N = 360  # at most, in waves of 60 until an update is lost
 WINDOW = 0.02  # seconds between the read and the write of an increment
 
