@@ -334,6 +334,13 @@ SCENARIOS = [
 ]
 
 
+def selected(only: str | None) -> list[tuple[str, Callable[[Demo], None]]]:
+    """The scenarios whose title contains ``only``, ignoring case (all of them for None)."""
+    if only is None:
+        return list(SCENARIOS)
+    return [(t, f) for t, f in SCENARIOS if only.casefold() in t.casefold()]
+
+
 def stale_writes_accepted(demo: Demo, resource_like: str) -> int:
     """Writes the gateway accepted with a lower fence than one it had accepted before."""
     return demo.count(
@@ -376,13 +383,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", help="lease store URL (default: SQLite in a temp dir)")
     parser.add_argument("--broker", help="broker URL (default: SQLite in a temp dir)")
     parser.add_argument(
-        "--only", metavar="TEXT", help="run only the scenarios whose title contains TEXT"
+        "--only",
+        metavar="TEXT",
+        help="run only the scenarios whose title contains TEXT (case ignored)",
     )
     parser.add_argument(
         "--keep-world", metavar="PATH", help="copy the gateway's SQLite tables to PATH at the end"
     )
     options = parser.parse_args(argv)
-    scenarios = [(t, f) for t, f in SCENARIOS if options.only is None or options.only in t]
+    scenarios = selected(options.only)
+    if not scenarios:  # an empty run would print "all invariants held" about nothing
+        titles = "\n  ".join(t for t, _ in SCENARIOS)
+        parser.error(f"--only {options.only!r} matches no scenario; the scenarios:\n  {titles}")
     with tempfile.TemporaryDirectory(prefix="celery-lease-demo-") as tmp:
         os.environ["EXAMPLE_DATA"] = tmp
         if options.store or options.broker:

@@ -145,3 +145,24 @@ def test_the_store_walkthrough_runs():
     done = _run("example_project.store_demo")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "took over with fence 2" in done.stdout
+
+
+class TestOnly:
+    """``--only`` picks scenarios by title, and refuses a value that picks none."""
+
+    def test_a_value_that_matches_no_scenario_is_refused_before_any_worker_starts(self):
+        """Exit 2 naming the value and the scenarios, no table, no "invariants held"."""
+        done = _run("example_project.run", "--only", "nonexistent")
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "'nonexistent'" in done.stderr
+        assert "worker crash" in done.stderr and "hot resource" in done.stderr
+        assert "invariants held" not in done.stdout and "celery_lease demo" not in done.stdout
+
+    def test_the_match_ignores_case(self):
+        """``Crash`` picks the worker-crash scenario, as ``crash`` does."""
+        from example_project.run import selected
+
+        assert [t for t, _ in selected("Crash")] == [t for t, _ in selected("crash")]
+        assert [t for t, _ in selected("Crash")] == [
+            "worker crash (SIGKILL) in the middle of a charge"
+        ]
