@@ -559,40 +559,49 @@ class LeaseTask(Task):  # type: ignore[misc]
     ) -> tuple[str, float] | None:
         """The message a waiter's wake sends (this execution again, no countdown) and how long
         its place in the wait list is kept; None when it cannot be written as JSON (then the
-        task waits with the back-off alone)."""
+        task waits with the back-off alone).
+
+        This runs on every claim of a waiting-capable task, refused or not, so it reads the
+        request's fields directly (what ``signature_from_request()`` would send, without the
+        options that are None) and dumps the message once with a reused encoder.
+        """
         if request.is_eager or request.id is None:
             return None
-        waits = int(_header(request, WAITS_HEADER) or 0)
+        headers = request.headers
+        waits = request.get(WAITS_HEADER)
+        if waits is None and isinstance(headers, dict):
+            waits = headers.get(WAITS_HEADER)
+        waits = int(waits or 0)
         if waits >= settings.busy_max_waits:
             return None  # this attempt gives up if refused: it must not leave a place to wake
-        # What signature_from_request() would give, built directly and without the options
-        # that are None: this runs on every claim of a waiting-capable task, refused or not.
-        options = {k: v for k, v in request.as_execution_options().items() if v is not None}
-        headers = dict(options.get("headers") or {})
+        options = _execution_options(request)
+        headers = {k: v for k, v in headers.items() if k not in _WAKE_DROPPED} if headers else {}
         headers[WAITS_HEADER] = waits + 1
-        headers.pop(STORE_WAITS_HEADER, None)
-        headers.pop(STORE_DOWN_HEADER, None)
-        headers.pop(WOKEN_HEADER, None)
         options["headers"] = headers
         options["retries"] = request.retries or 0
         if request.ignore_result or self.ignore_result:
             options["ignore_result"] = True
-        delivery = request.delivery_info or {}
-        if delivery.get("priority") is not None:
-            options["priority"] = delivery["priority"]
-        exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
-        if exchange == "" and routing_key:
-            options["queue"] = routing_key
-        else:
-            options.update((k, v) for k, v in delivery.items() if v is not None)
+        delivery = request.delivery_info
+        if delivery:
+            if delivery.get("priority") is not None:
+                options["priority"] = delivery["priority"]
+            exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
+            if exchange == "" and routing_key:
+                options["queue"] = routing_key
+            else:
+                options.update((k, v) for k, v in delivery.items() if v is not None)
         try:
             payload = _compact_json(
                 {"task": self.name, "args": args, "kwargs": kwargs, "options": options}
             )
         except (TypeError, ValueError):
             return None
-        keep = self._backstop_delay(waits, settings) + settings.ttl + 10.0
-        return payload, keep
+        # The longest back-stop delay (the jitter only shortens it): the place outlives it.
+        cap = self._busy_cap(settings)
+        longest = min(
+            cap, max(min(cap, settings.busy_backoff_base * 2 ** min(waits, 30)), settings.ttl)
+        )
+        return payload, longest + settings.ttl + 10.0
 
     def _wake(self, payload: str, resource: str, by: str) -> None:
         """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
@@ -982,6 +991,64 @@ def _header(request: Any, name: str) -> Any:
     if value is None and isinstance(request.headers, dict):
         value = request.headers.get(name)
     return value
+
+
+#: Headers a wake's message does not carry: our per-attempt ones (the woken copy starts its own
+#: outage budget and latency clock) and RabbitMQ's dead-letter trail, as Celery's
+#: ``Context.as_execution_options()`` drops it.
+_WAKE_DROPPED = frozenset(
+    {
+        STORE_WAITS_HEADER,
+        STORE_DOWN_HEADER,
+        WOKEN_HEADER,
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
+)
+#: (option, request attribute) of ``Context.as_execution_options()`` but headers, retries and
+#: the time limits, which are worked out apart (tests/test_handoff.py checks the two agree).
+_EXECUTION_OPTIONS = (
+    ("task_id", "id"),
+    ("root_id", "root_id"),
+    ("parent_id", "parent_id"),
+    ("group_id", "group"),
+    ("group_index", "group_index"),
+    ("shadow", "shadow"),
+    ("chord", "chord"),
+    ("chain", "chain"),
+    ("link", "callbacks"),
+    ("link_error", "errbacks"),
+    ("expires", "expires"),
+    ("reply_to", "reply_to"),
+    ("replaced_task_nesting", "replaced_task_nesting"),
+    ("origin", "origin"),
+)
+
+
+def _execution_options(request: Any) -> dict[str, Any]:
+    """``request.as_execution_options()`` without the None values, headers and retries."""
+    options = {}
+    for option, attribute in _EXECUTION_OPTIONS:
+        value = getattr(request, attribute, None)
+        if value is not None:
+            options[option] = value
+    timelimit = request.timelimit
+    if timelimit:
+        hard, soft = timelimit
+        if soft is not None:
+            options["soft_time_limit"] = soft
+        if hard is not None:
+            options["time_limit"] = hard
+    stamps, stamped = getattr(request, "stamps", None), getattr(request, "stamped_headers", None)
+    if stamps is not None and stamped is not None:
+        options["stamped_headers"] = stamped
+        options.update((k, v) for k, v in stamps.items() if k in stamped and v is not None)
+    return options
 
 
 def _owner_label(request: Any) -> str:

@@ -79,3 +79,43 @@ class TestWake:
         """The back-stop copy covers a wake that could not be sent."""
         task._wake("{not json", "r-1", "release")
         assert "could not wake" in caplog.text
+
+
+class TestWakeOptions:
+    def test_the_options_are_what_celery_would_send_again(self, task):
+        """The payload's options match Context.as_execution_options() (None values dropped),
+        with every field set: the fast builder must not drift from Celery's."""
+        from celery_lease._task import _execution_options
+
+        request = task.request
+        request.update(
+            root_id="r0",
+            parent_id="p0",
+            group="g0",
+            group_index=2,
+            shadow="sh",
+            chord={"task": "c"},
+            chain=[{"task": "n"}],
+            callbacks=[{"task": "cb"}],
+            errbacks=[{"task": "eb"}],
+            expires="2030-01-01T00:00:00+00:00",
+            timelimit=(30, 20),
+            reply_to="rt",
+            replaced_task_nesting=1,
+            origin="gen1@host",
+            stamped_headers=["s1"],
+            stamps={"s1": "v1"},
+        )
+        expected = {
+            k: v
+            for k, v in request.as_execution_options().items()
+            if v is not None and k not in ("headers", "retries")
+        }
+        assert _execution_options(request) == expected
+
+    def test_dead_letter_and_attempt_headers_are_not_carried(self, task):
+        """RabbitMQ's x-death trail and our per-attempt headers stay behind."""
+        task.request.headers.update({"x-death": [{"count": 1}], "custom": "kept"})
+        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        headers = json.loads(payload)["options"]["headers"]
+        assert headers == {WAITS_HEADER: 3, "custom": "kept"}
