@@ -76,7 +76,8 @@ class Owner:
         owner per claim; use :meth:`new` when you want the default ``host:pid`` label.
         """
         owner = object.__new__(cls)
-        object.__setattr__(owner, "token", secrets.token_hex(16))
+        # (os.urandom is what secrets.token_hex reads too, without two calls around it)
+        object.__setattr__(owner, "token", os.urandom(16).hex())
         object.__setattr__(owner, "label", clean_label(label))
         return owner
 

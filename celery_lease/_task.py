@@ -58,7 +58,7 @@ from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
 from ._lease import Lease, Owner
 from ._names import IDENTITY_RULE, did_you_mean, mask_url, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
-from ._renewer import Hold, get_renewer
+from ._renewer import Hold, Renewer, get_renewer
 from ._settings import LeaseSettings, Resolved
 from ._template import NameTemplate
 
@@ -239,7 +239,11 @@ class LeaseTask(Task):  # type: ignore[misc]
             LeaseConfigError: no resource is configured, an argument the template needs is
                 missing or None, or the result is not a valid resource name.
         """
-        compiled = self._compiled()
+        return self._resource(self._compiled(), args, kwargs)
+
+    def _resource(
+        self, compiled: _TaskSetup, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> str:
         if compiled.resource is None:
             raise LeaseConfigError(
                 f"task {self.name!r} has no lease resource: pass resource= to @lease_task or "
@@ -265,10 +269,18 @@ class LeaseTask(Task):  # type: ignore[misc]
         callable over the arguments, like the resource); then the task id, which is stable
         across retry, requeue and redelivery.
         """
-        compiled = self._compiled()
+        request = self.request if request is None else request
+        return self._identity(self._compiled(), args, kwargs, request)
+
+    def _identity(
+        self,
+        compiled: _TaskSetup,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Any,
+    ) -> str | None:
         if not compiled.dedup:
             return None
-        request = self.request if request is None else request
         key = _header(request, "idempotency_key")
         if key is not None:
             return self._checked_identity(str(key), "the idempotency_key header")
@@ -293,14 +305,15 @@ class LeaseTask(Task):  # type: ignore[misc]
         direct = bool(request.called_directly)
         if direct and settings.allow_direct_call:
             return super().__call__(*args, **kwargs)
-        resource = self.lease_resource_for(args, kwargs)
-        identity = self.lease_identity_for(args, kwargs, request)
+        resource = self._resource(compiled, args, kwargs)
+        identity = self._identity(compiled, args, kwargs, request)
         try:
             store = compiled.current_store(task=self)
         except LeaseStoreError as exc:  # the store could not be made: its server is unreachable
             return self._store_down(exc, settings)
         owner = Owner.fresh(_owner_label(request))
-        get_renewer().prepare(store)  # the renewal connection opens while the claim runs
+        renewer = get_renewer()
+        renewer.prepare(store)  # the renewal connection opens while the claim runs
         wait = None
         if settings.handoff and identity is not None and settings.on_busy == "retry" and not direct:
             wait = self._wake_payload(request, args, kwargs, settings)
@@ -372,7 +385,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 previous_owner=lease.previous_owner_label,
                 previous_fence=lease.previous_fence,
             )
-        return self._run_leased(lease, settings, args, kwargs, direct)
+        return self._run_leased(lease, settings, args, kwargs, direct, request, renewer)
 
     def reconcile(self, lease: Lease) -> None:
         """Called before the body when an earlier owner of this work did not finish.
@@ -414,8 +427,11 @@ class LeaseTask(Task):  # type: ignore[misc]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         direct: bool,
+        request: Any = None,
+        renewer: Renewer | None = None,
     ) -> Any:
-        renewer = get_renewer()
+        request = self.request if request is None else request
+        renewer = get_renewer() if renewer is None else renewer
         interrupter = Interrupter()
         context_token = _current.set(lease)
         started = _clock.monotonic()
@@ -432,14 +448,14 @@ class LeaseTask(Task):  # type: ignore[misc]
                     on_lost=partial(
                         self._lease_lost_in_flight,
                         interrupter,
-                        self.request.id,
-                        self.request.hostname,
+                        request.id,
+                        request.hostname,
                     ),
                 )
                 if lease.recovered:
                     failpoints.hit("inside_reconcile")
                     self._reconcile(lease)
-                result = self._invoke_body(lease, args, kwargs, direct)
+                result = self._invoke_body(lease, args, kwargs, direct, request)
                 interrupter.disarm()
                 lease.check()  # never report success for a lease known lost or past deadline
                 outcome = "done"
@@ -494,11 +510,16 @@ class LeaseTask(Task):  # type: ignore[misc]
         return result
 
     def _invoke_body(
-        self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool
+        self,
+        lease: Lease,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        direct: bool,
+        request: Any = None,
     ) -> Any:
         if not direct:
             # The worker (or apply()) already pushed this execution's request.
-            self.request.lease = lease
+            (self.request if request is None else request).lease = lease
             return self.run(*args, **kwargs)
         _task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs, lease=lease)
@@ -514,7 +535,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         recorded = None
         if lease.identity is not None and outcome == "done":
             try:
-                recorded = encode(result)
+                recorded = "null" if result is None else encode(result)
             except LeaseConfigError as exc:
                 log.warning(
                     "task %s: result not recorded for duplicates of identity %r: %s",

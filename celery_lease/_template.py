@@ -99,9 +99,14 @@ class NameTemplate:
                 )
             return str(value)
         mapping = self._fast_mapping(args, kwargs) if self.simple else None
+        fields = self.fields
         if mapping is None:
             mapping = self._bound_mapping(args, kwargs)
-        for field in self.fields:
+        elif all(mapping.get(field) is not None for field in fields):
+            # Plain names (self.simple) all given: Formatter.get_field would only look each
+            # up in the mapping, at several times the cost. (Else it says what is missing.)
+            fields = []
+        for field in fields:
             try:
                 value, _ = _formatter.get_field(field, (), mapping)
             except (KeyError, AttributeError, IndexError, TypeError) as exc:

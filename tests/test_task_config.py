@@ -283,3 +283,35 @@ class TestRetention:
     def test_the_defaults_pass(self, app):
         settings = LeaseSettings.resolve(app.conf)
         assert settings.retention >= settings.max_runtime + settings.ttl + 3600
+
+
+class TestRenderTime:
+    """What a template says for one call's arguments (the plain-names fast path included)."""
+
+    @pytest.fixture
+    def task(self, app):
+        @lease_task(app=app, resource="acct-{account_id:0>4}-{region}")
+        def task(account_id, region="eu"):
+            pass
+
+        return task
+
+    def test_plain_names_render_with_defaults_and_format_specs(self, task):
+        """Positional, keyword and default arguments all reach the name."""
+        assert task.lease_resource_for((7,), {}) == "acct-0007-eu"
+        assert task.lease_resource_for((), {"account_id": 7, "region": "us"}) == "acct-0007-us"
+
+    def test_an_argument_given_as_none_is_named(self, task):
+        """None would make every call share "acct-None": refused, naming the argument."""
+        with pytest.raises(LeaseConfigError, match=r"argument 'region' is None"):
+            task.lease_resource_for((7, None), {})
+
+    def test_a_format_spec_that_does_not_fit_the_value_is_a_config_error(self, app):
+        """A ValueError from str.format becomes a LeaseConfigError naming the template."""
+
+        @lease_task(app=app, resource="acct-{account_id:d}")
+        def task(account_id):
+            pass
+
+        with pytest.raises(LeaseConfigError, match=r"template 'acct-\{account_id:d\}'.*malformed"):
+            task.lease_resource_for(("seven",), {})
