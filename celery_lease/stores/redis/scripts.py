@@ -90,9 +90,9 @@ _WAITS = """
 -- list.slow: until when (us) nothing is held for a woken head, because a wake missed its grace
 -- lately (a woken waiter did not claim in time: its message waits behind a backlog, or its
 -- worker is paused); each miss keeps it `hold` us. Kept in the waits hash as "!<resource>"
--- (no resource name contains '!').
-local function wl_load(wkey, pkey, res, now, hold)
-  local got = redis.call('HMGET', wkey, res, '!' .. res)
+-- (no resource name contains '!'). `got`: the two fields, when the caller read them already.
+local function wl_load(wkey, pkey, res, now, hold, got)
+  got = got or redis.call('HMGET', wkey, res, '!' .. res)
   local list, dirty = {slow = tonumber(got[2] or '0')}, false
   if not got[1] then return list, dirty end
   for id, s, e, w in string.gmatch(got[1], '([^ \\n]+) (%d+) (%d+) (%d+)') do
@@ -135,8 +135,11 @@ end
 """
 
 
-def _release_tail(leases: int, expiry: int, waits: int, wpay: int, grace: int) -> str:
-    # KEYS[waits + 2] is the waits_exp index
+def _release_tail(
+    leases: int, expiry: int, waits: int, wpay: int, grace: int, lazy: bool = False
+) -> str:
+    # KEYS[waits + 2] is the waits_exp index. lazy: the script has not read TIME nor defined
+    # the wait-list functions yet; done only when somebody waits (most releases: nobody).
     """Release the lease in KEYS[leases] if ARGV[2] (token) and ARGV[3] (fence) hold it, then
     wake the first waiter never woken, unless a wake was sent less than the grace ago; its
     wake payload is returned for the releaser to send. A woken head may claim alone until
@@ -150,8 +153,12 @@ local tok, f = string.match(cur, '^(%x+) (%d+) ')
 if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
 redis.call('HDEL', KEYS[{leases}], ARGV[1])
 redis.call('ZREM', KEYS[{expiry}], ARGV[1])
+local waiting = redis.call('HMGET', KEYS[{waits}], ARGV[1], '!' .. ARGV[1])
+if not waiting[1] then return 1 end  -- nobody waits: nothing to hand over
+{_NOW + _WAITS if lazy else ""}
 -- a missed wake stops holding the resource for woken heads for 10 graces
-local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now, 10 * tonumber(ARGV[{grace}]))
+local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now,
+  10 * tonumber(ARGV[{grace}]), waiting)
 local woke = nil
 for _, w in ipairs(wl) do
   local t = tonumber(w[4])
@@ -373,18 +380,13 @@ return out
 """
 )
 
-RELEASE = (
-    """
+RELEASE = """
 -- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] waits hash, KEYS[4] wpay hash,
 -- KEYS[5] waits_exp zset
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] hand-off grace (us)
 -- returns 1 when released, 0 when the lease was not this owner's (nothing changed),
 -- {1, wake payload, identity} when released and handed over to the head waiter
-"""
-    + _NOW
-    + _WAITS
-    + _release_tail(1, 2, 3, 4, 4)
-)
+""" + _release_tail(1, 2, 3, 4, 4, lazy=True)
 
 RELEASE_OUTCOME = (
     """
