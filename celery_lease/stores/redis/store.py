@@ -53,6 +53,14 @@ _KEY_KINDS = (
 )  # fmt: skip
 
 
+# The keys of the claim, the plain release and the release with an outcome, in KEYS order.
+_ACQUIRE_KEYS = (
+    "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "waits", "wpay", "waits_exp",
+)  # fmt: skip
+_RELEASE_KEYS = ("leases", "expiry", "waits", "wpay", "waits_exp")
+_OUTCOME_KEYS = ("leases", "expiry", "ids", "ids_exp", "waits", "wpay", "waits_exp")
+
+
 # The backend's logger name from before the stores became packages, so that logging set up for
 # it keeps seeing this store's lines (the force-release warning above all).
 log = logging.getLogger("celery_lease.stores.redis")
@@ -166,6 +174,10 @@ class RedisLeaseStore(BaseLeaseStore):
             {name: f"{key_prefix}{{{shard:02x}}}:{name}" for name in _KEY_KINDS}
             for shard in range(shards)
         ]
+        # ... and the key lists of the claim and the releases, per shard.
+        self._acquire_keys = [self._keys(shard, *_ACQUIRE_KEYS) for shard in range(shards)]
+        self._release_keys = [self._keys(shard, *_RELEASE_KEYS) for shard in range(shards)]
+        self._outcome_keys = [self._keys(shard, *_OUTCOME_KEYS) for shard in range(shards)]
         self._epochs: dict[int, str] = {}
         #: How many times this store saw a shard's epoch change: the server lost its data.
         self.data_loss_detected = 0
@@ -230,10 +242,7 @@ class RedisLeaseStore(BaseLeaseStore):
         identity = self._identity_args(identity)
         payload = self._wait_args(identity, wait, wait_ttl)
         shard = self.shard_of(resource)
-        keys = self._keys(
-            shard, "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "waits", "wpay",
-            "waits_exp",
-        )  # fmt: skip
+        keys = self._acquire_keys[shard]
         args: list[str | int] = [
             resource,
             owner.token,
@@ -367,14 +376,12 @@ class RedisLeaseStore(BaseLeaseStore):
         shard = self.shard_of(lease.resource)
         grace = max(1, round(self.handoff_grace * 1e6))
         if outcome is None:
-            keys = self._keys(shard, "leases", "expiry", "waits", "wpay", "waits_exp")
+            keys = self._release_keys[shard]
             args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, grace]
             script = self._release
         else:
             self._outcome_args(lease, outcome)
-            keys = self._keys(
-                shard, "leases", "expiry", "ids", "ids_exp", "waits", "wpay", "waits_exp"
-            )
+            keys = self._outcome_keys[shard]
             args = [
                 lease.resource,
                 lease.owner.token,
