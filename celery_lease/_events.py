@@ -22,6 +22,7 @@ __all__ = [
     "count",
     "observe",
     "observe_hold",
+    "record",
     "register_prometheus",
     "send_event",
 ]
@@ -52,6 +53,14 @@ def observe(name: str, seconds: float, **labels: str) -> None:
             log.warning("celery_lease: not recorded: %s", exc)
     except Exception:
         log.exception("celery_lease: recording %s failed", name)
+
+
+def record(counter: metrics.Series, histogram: metrics.Series, seconds: float) -> None:
+    """Count one in ``counter`` and record ``seconds`` in ``histogram``; never raises."""
+    try:
+        metrics.record(counter, histogram, seconds)
+    except Exception:
+        log.exception("celery_lease: recording %s failed", histogram.name)
 
 
 def observe_hold(seconds: float) -> None:

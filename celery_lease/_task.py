@@ -37,7 +37,7 @@ from celery import Task, shared_task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
-from . import _clock
+from . import _clock, metrics
 from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
@@ -109,6 +109,12 @@ WOKEN_HEADER = "celery_lease_woken_at"
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
+
+#: The series every claim and release counts (looked up once, not per task).
+_CLAIMS = metrics.Series("c", "celery_lease_claims_total")
+_CLAIM_SECONDS = metrics.Series("h", "celery_lease_acquire_seconds", result="claimed")
+_RELEASES = metrics.Series("c", "celery_lease_releases_total")
+_HOLD_SECONDS = metrics.Series("h", "celery_lease_hold_seconds")
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
 _compact_json = json.JSONEncoder(separators=(",", ":")).encode
@@ -340,7 +346,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
             return self._store_down(exc, settings)
-        _observe_acquire(claim_started, "claimed")
+        claim_seconds = _clock.monotonic() - claim_started
         if wait is not None:
             woken = _header(request, WOKEN_HEADER)
             if woken is not None:
@@ -349,7 +355,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if outage.down:  # (one dict test while the store is fine)
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
-        events.count("celery_lease_claims_total")
+        events.record(_CLAIMS, _CLAIM_SECONDS, claim_seconds)
         self._log("claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
@@ -504,8 +510,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             if hold is not None:
                 renewer.drop(hold)
             _current.reset(context_token)
-            self._release(lease, outcome, result)
-            events.observe_hold(_clock.monotonic() - started)
+            self._release(lease, outcome, result, held_since=started)
         failpoints.hit("after_ledger_before_ack")
         return result
 
@@ -529,7 +534,11 @@ class LeaseTask(Task):  # type: ignore[misc]
             self.pop_request()
             _task_stack.pop()
 
-    def _release(self, lease: Lease, outcome: str, result: Any) -> None:
+    def _release(
+        self, lease: Lease, outcome: str, result: Any, held_since: float | None = None
+    ) -> None:
+        """Give the lease back (recording the identity's outcome) and wake the next waiter;
+        with ``held_since`` (monotonic), also record how long the lease was held."""
         assert lease.store is not None
         failpoints.hit("inside_release")
         recorded = None
@@ -543,13 +552,14 @@ class LeaseTask(Task):  # type: ignore[misc]
                     lease.identity,
                     exc,
                 )
+        released = False
         try:
-            if lease.store.release(
+            released = lease.store.release(
                 lease,
                 outcome=outcome if lease.identity is not None else None,
                 result=recorded,
-            ):
-                events.count("celery_lease_releases_total")
+            )
+            if released:
                 self._log(
                     "released",
                     logging.DEBUG,
@@ -563,6 +573,13 @@ class LeaseTask(Task):  # type: ignore[misc]
                 "could not release %r (it expires by itself within its ttl): %s", lease, exc
             )
             return
+        finally:
+            if held_since is not None:
+                held = _clock.monotonic() - held_since
+                if released:
+                    events.record(_RELEASES, _HOLD_SECONDS, held)
+                else:
+                    events.observe_hold(held)
         if lease.handoff is not None:
             payload, lease.handoff = lease.handoff, None
             failpoints.hit("before_wake")

@@ -155,6 +155,7 @@ class _Entry:
 
 
 _entries: dict[Any, _Entry] = {}
+_generation = 0  # bumped whenever _entries is cleared (a Series looks its entry up again)
 
 
 def _entry(kind: str, name: str, labels: dict[str, str]) -> _Entry:
@@ -193,6 +194,46 @@ def observe(name: str, seconds: float, **labels: str) -> None:
         METRICS[entry.sum_key] += seconds  # type: ignore[assignment]
     if entry.child is not None:
         entry.child.observe(seconds)
+
+
+class Series:
+    """One counter or histogram series for a hot path: its entry is looked up once (and again
+    after the metrics mode changes), not per call.
+
+    Raises:
+        KeyError: ``name`` is not a celery_lease counter (kind "c") or histogram (kind "h").
+    """
+
+    __slots__ = ("_entry", "_generation", "kind", "labels", "name")
+
+    def __init__(self, kind: str, name: str, **labels: str) -> None:
+        (COUNTERS if kind == "c" else HISTOGRAMS)[name]  # a typo fails at import
+        self.kind, self.name, self.labels = kind, name, labels
+        self._entry: _Entry | None = None
+        self._generation = -1
+
+    def entry(self) -> _Entry:
+        entry = self._entry
+        if entry is None or self._generation != _generation:
+            entry = self._entry = _entry(self.kind, self.name, self.labels)
+            self._generation = _generation
+        return entry
+
+
+def record(counter: Series, histogram: Series, seconds: float) -> None:
+    """Add 1 to ``counter`` and record ``seconds`` in ``histogram``, under one lock: what every
+    claim (claims and claim latency) and every release (releases and hold time) counts."""
+    count, hist = counter.entry(), histogram.entry()
+    with _lock:
+        METRICS[count.name] += 1
+        if count.labelled is not None:
+            METRICS[count.labelled] += 1
+        METRICS[hist.count_key] += 1
+        METRICS[hist.sum_key] += seconds  # type: ignore[assignment]
+    if count.child is not None:
+        count.child.inc(1)
+    if hist.child is not None:
+        hist.child.observe(seconds)
 
 
 # -- prometheus_client ----------------------------------------------------------------------------
@@ -277,7 +318,7 @@ def enable_multiprocess(directory: str | None = None) -> str:
     Raises:
         ImportError: prometheus_client is not installed.
     """
-    global _prom, _multiprocess_dir  # noqa: PLW0603 - the mode is per process tree
+    global _prom, _multiprocess_dir, _generation  # noqa: PLW0603 - the mode is per process tree
     from prometheus_client import values
 
     with _prom_lock:
@@ -297,6 +338,7 @@ def enable_multiprocess(directory: str | None = None) -> str:
             _prom.unregister()
             _prom = None
         _entries.clear()
+        _generation += 1
         _multiprocess_dir = directory
     _prometheus()
     return directory

@@ -72,3 +72,46 @@ class TestCounting:
 
         _events.count("celery_lease_no_such_total")
         _events.observe("celery_lease_no_such_seconds", 1.0)
+
+
+class TestSeries:
+    def test_a_claim_and_a_release_count_once_each(self, tmp_path):
+        """Per task: one claim, one claim latency, one release, one hold time."""
+        from celery_lease import metrics
+
+        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+
+        @lease_task(app=app, resource="inv:{n}")
+        def task(n):
+            return n
+
+        keys = (
+            "celery_lease_claims_total",
+            "celery_lease_releases_total",
+            "celery_lease_acquire_seconds_count",
+            "celery_lease_hold_seconds_count",
+        )
+        before = metrics.snapshot()
+        for n in range(3):
+            task.apply((n,)).get()
+        after = metrics.snapshot()
+        assert [after[k] - before.get(k, 0) for k in keys] == [3, 3, 3, 3]
+        claimed = 'celery_lease_acquire_seconds_count{result="claimed"}'
+        assert scrape(claimed) >= 3
+
+    def test_an_unknown_series_fails_where_it_is_declared(self):
+        from celery_lease import metrics
+
+        with pytest.raises(KeyError):
+            metrics.Series("c", "celery_lease_no_such_total")
+
+    def test_a_series_looks_its_entry_up_again_after_a_mode_change(self, monkeypatch):
+        """enable_multiprocess() rebuilds the entries: a Series must not keep the old one."""
+        from celery_lease import metrics
+
+        series = metrics.Series("c", "celery_lease_claims_total")
+        old = series.entry()
+        monkeypatch.setattr(metrics, "_entries", {})
+        monkeypatch.setattr(metrics, "_generation", metrics._generation + 1)
+        assert series.entry() is not old
