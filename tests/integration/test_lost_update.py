@@ -19,8 +19,8 @@ increment is applied exactly once at the counter and the values the increments w
 increase across claims; accepted writes, in the counter's own order -- the value each wrote --
 carry non-decreasing fences; each increment took effect once). N is 400 on Redis (about 25 s
 on the 2-core machine; with a plain read and write instead of the fenced one, 400 increments
-under this nemesis lost updates: counter 397 of 400, two stale writes) and 200 on PostgreSQL:
-one counter serialises every increment, and 800 took 106 s there.
+under this nemesis lost updates: counter 397 of 400, two stale writes) and 100 on PostgreSQL:
+one counter serialises every increment, and 800 took 106 s there (100 plain increments lost 5).
 
 The result backend's state is printed rather than asserted for every task: its guard against
 overwriting SUCCESS (``BaseKeyValueStoreBackend._store_result``) reads, then writes. Seen twice in
@@ -56,7 +56,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos_ci, pytest.mark.slow]
 TTL = 1.0
 WORKERS = 4
 CONCURRENCY = 4
-N = {"redis": 400, "postgres": 200}
+N = {"redis": 400, "postgres": 100}
 NEGATIVE_N = 360  # at most, in waves of 60 until an update is lost
 WINDOW = 0.02  # seconds between the read and the write of an increment
 
