@@ -30,6 +30,30 @@ from typing import Any
 TTL = 3.0  # lease_ttl in example_project/proj/celery.py
 
 
+class Interrupted(BaseException):
+    """A signal asked the run to stop: stop this run's workers, remove its temp dir, exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: While a worker is being started, a stop signal waits here: raised in the middle of Popen it
+#: would lose the PID of a worker already forked. (Blocking the signals instead would leave
+#: them blocked in the worker, which inherits the signal mask.)
+_held: dict[str, int | None] = {"holding": 0, "signum": None}
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    for stop in STOP_SIGNALS:  # once: a second signal must not cut the clean-up short
+        signal.signal(stop, signal.SIG_IGN)
+    if _held["holding"]:
+        _held["signum"] = signum
+        return
+    raise Interrupted(signum)
+
+
 class Demo:
     """The workers this run started (and only those), the gateway, the scenario rows."""
 
@@ -45,11 +69,23 @@ class Demo:
 
     # -- workers -----------------------------------------------------------------------------
     def start_worker(self) -> str:
-        from example_project.proj.celery import app
 
         name = next(self._names)
         log = (self.data / f"{name}.log").open("wb")
-        self.workers[name] = subprocess.Popen(
+        _held["holding"] = 1
+        try:
+            self.workers[name] = self._popen(name, log)
+        finally:
+            log.close()  # the worker has its own copy
+            _held["holding"] = 0
+        if _held["signum"] is not None:
+            raise Interrupted(_held["signum"])
+        return name
+
+    def _popen(self, name: str, log: Any) -> subprocess.Popen[bytes]:
+        from example_project.proj.celery import app
+
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -75,7 +111,6 @@ class Demo:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        return name
 
     def queue(self, name: str) -> str:
         from example_project.proj.celery import app
@@ -88,16 +123,16 @@ class Demo:
                 return name
         raise AssertionError(f"pid {pid} is not one of this demo's workers")
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout: float = 30.0) -> None:
         for process in self.workers.values():
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
                 process.send_signal(signal.SIGTERM)
         for name, process in self.workers.items():
             try:
-                process.wait(30)
+                process.wait(timeout)
             except subprocess.TimeoutExpired:
-                print(f"worker {name} did not stop in 30 s; killing it", file=sys.stderr)
+                print(f"worker {name} did not stop in {timeout:.0f} s; killing it", file=sys.stderr)
                 process.kill()
                 process.wait()
 
@@ -395,6 +430,20 @@ def main(argv: list[str] | None = None) -> int:
     if not scenarios:  # an empty run would print "all invariants held" about nothing
         titles = "\n  ".join(t for t, _ in SCENARIOS)
         parser.error(f"--only {options.only!r} matches no scenario; the scenarios:\n  {titles}")
+    for stop in STOP_SIGNALS:  # Python's default for SIGTERM/SIGHUP exits with no clean-up
+        signal.signal(stop, _interrupt)
+    try:
+        return run(options, scenarios)
+    except Interrupted as stopped:
+        name = signal.Signals(stopped.signum).name
+        print(
+            f"stopped by {name}: this run's workers were stopped, its temp dir removed",
+            file=sys.stderr,
+        )
+        return 128 + stopped.signum
+
+
+def run(options: argparse.Namespace, scenarios: list[tuple[str, Callable[[Demo], None]]]) -> int:
     with tempfile.TemporaryDirectory(prefix="celery-lease-demo-") as tmp:
         os.environ["EXAMPLE_DATA"] = tmp
         if options.store or options.broker:
@@ -412,15 +461,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         demo = Demo(Path(tmp))
         started = time.monotonic()
-        demo.start_worker()
-        demo.start_worker()
         try:
+            demo.start_worker()
+            demo.start_worker()
             for step, (title, scenario) in enumerate(scenarios, 1):
                 progress(step, len(scenarios), f"{title} ...")
                 began = time.monotonic()
                 scenario(demo)
                 print(f"      done in {time.monotonic() - began:.1f} s", flush=True)
             world_invariants(demo)
+        except Interrupted:
+            demo.stop_all(timeout=10)  # a warm shutdown waits for a running task
+            raise
         except BaseException:
             demo.stop_all()
             for name in demo.workers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ROOT
+from tests.integration.harness import ROOT, children_of
+from tests.tooling.servers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -166,3 +168,48 @@ class TestOnly:
         assert [t for t, _ in selected("Crash")] == [
             "worker crash (SIGKILL) in the middle of a charge"
         ]
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a reaped or exited worker is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_demo_s_workers_and_removes_its_temp_dir(tmp_path):
+    """``timeout 15 bash run.sh`` or ``kill -TERM``: the run stops the two workers it started
+    (by PID), removes its temp dir and exits non-zero, instead of leaving both behind."""
+    out = (tmp_path / "out").open("w")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "example_project.run", "--only", "crash"],
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    workers: list[int] = []
+    try:
+        workers += wait_for(
+            lambda: (
+                len(children_of(demo.pid)) == 2
+                and "[1/1]" in Path(out.name).read_text()
+                and children_of(demo.pid)
+            ),
+            timeout=60,
+            what="the demo's two workers and its first scenario",
+        )
+        assert list(tmp.glob("celery-lease-demo-*"))
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) != 0
+        wait_for(lambda: not any(map(_alive, workers)), timeout=30, what="the workers to exit")
+        assert not list(tmp.glob("celery-lease-demo-*")), Path(out.name).read_text()
+    finally:
+        for pid in [demo.pid, *workers]:  # only what this test started, if the demo left them
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        demo.wait()
+        out.close()
