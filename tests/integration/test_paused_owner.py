@@ -35,7 +35,7 @@ from tests.integration.harness import (
 pytestmark = [pytest.mark.integration, pytest.mark.chaos_ci, pytest.mark.slow]
 
 TTL = 1.0
-TRIALS = 20  # per store
+TRIALS = 10  # per store (one batch)
 BATCH = 10  # trials run concurrently (one paused pool child each)
 GATE_ONLY_TRIALS = 10  # per store, the body ignoring the loss signal: only the gate protects
 NEGATIVE_TRIALS = 20
@@ -192,7 +192,7 @@ def check_trial(trial: Trial, final_fence: int, log: list[dict[str, Any]]) -> st
 def test_paused_owner_never_writes_with_a_stale_fence(
     it_app, start_worker, store_env, events, coord, queue, kind
 ):
-    """20 SIGSTOP/SIGCONT trials: the old owner self-fences or is rejected, then re-runs.
+    """10 SIGSTOP/SIGCONT trials: the old owner self-fences or is rejected, then re-runs.
 
     Then 10 more where the body ignores the loss signal, so the gate alone must reject it.
     """
