@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -237,6 +238,19 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
                 conf[key] = value
         if getattr(worker, "task_events", False):
             conf["worker_send_task_events"] = True
+        if _is_test_worker(worker):
+            # celery.contrib.testing starts this worker in a thread and waits, with no timeout,
+            # for it to be ready: an error raised in start() is only logged there and the test
+            # hangs. So check here, in the test's thread, where an error fails the test at once.
+            settings = _check_settings(worker.app)
+            if not settings.store_url and overridden_store() is None:
+                raise LeaseConfigError(
+                    "lease_store_url is not set and no lease_store fixture is in effect while "
+                    "this in-process test worker starts: start the worker after the lease_store "
+                    "fixture (take lease_store in the worker fixture, in function scope), or set "
+                    "app.conf.lease_store_url = 'memory://' for the tests (the lease_store "
+                    "fixture still wins while a test runs)"
+                )
         super().__init__(worker, **options)
 
     def start(self, worker: Any) -> None:
@@ -256,13 +270,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
                 self.metrics_dir,
             )
         app = worker.app
-        settings = LeaseSettings.resolve(app.conf)  # bad settings stop the worker here
-        lease_task_types = tuple(_lease_task_types)
-        for task in list(app.tasks.values()):
-            if isinstance(task, lease_task_types):
-                # resolved now: a bad one stops the worker. Not kept: the task resolves again
-                # at its first run (a test may change a setting after its worker started).
-                cast("Any", task)._resolve_lease_settings()
+        settings = _check_settings(app)  # bad settings stop the worker here
         try:
             store = get_store(app, settings)
             warnings = store.check_health()
@@ -283,6 +291,24 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.close()
+
+
+def _check_settings(app: Any) -> LeaseSettings:
+    """Resolve the app's lease settings and each lease task's (a bad one raises
+    ``LeaseConfigError``). Not kept: a task resolves again at its first run (a test may change
+    a setting after its worker started)."""
+    settings = LeaseSettings.resolve(app.conf)
+    lease_task_types = tuple(_lease_task_types)
+    for task in list(app.tasks.values()):
+        if isinstance(task, lease_task_types):
+            cast("Any", task)._resolve_lease_settings()
+    return settings
+
+
+def _is_test_worker(worker: Any) -> bool:
+    """True for the in-process worker of ``celery.contrib.testing`` (and its pytest plugin)."""
+    testing = sys.modules.get("celery.contrib.testing.worker")
+    return testing is not None and isinstance(worker, testing.TestWorkController)
 
 
 def register_task_type(cls: type) -> None:

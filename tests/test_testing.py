@@ -217,7 +217,9 @@ def test_the_gate_log_is_in_the_order_the_gate_decided() -> None:
     store.assert_no_stale_write_accepted()
 
 
-def _run_suite(where: Path, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run_suite(
+    where: Path, files: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """Run a user's small suite (``files``, with the plugin opted in) in its own pytest."""
     files = {"conftest.py": 'pytest_plugins = ["celery_lease.testing"]\n', **files}
     for name, text in files.items():
@@ -228,7 +230,7 @@ def _run_suite(where: Path, files: dict[str, str]) -> subprocess.CompletedProces
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(where)])},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 
@@ -434,3 +436,41 @@ def test_a_lease_the_test_holds_and_releases_wakes_its_waiter(tmp_path: Path) ->
     run = _run_suite(tmp_path, {"short_ttl.py": SHORT_TTL_APP, "test_busy.py": BUSY_TESTS})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "1 passed" in run.stdout
+
+
+EARLY_WORKER_TESTS = """
+    import pytest
+    from celery import Celery
+    from celery.contrib.testing.worker import start_worker
+
+    from celery_lease import lease_task
+
+    app = Celery("early_worker", broker="memory://", backend="cache+memory://")  # no store URL
+
+
+    @lease_task(app=app, resource="report/{n}")
+    def report(n):
+        return n
+
+
+    @pytest.fixture(scope="module")
+    def worker():  # started before the function-scoped lease_store
+        with start_worker(app, pool="threads", perform_ping_check=False) as w:
+            yield w
+
+
+    def test_runs_a_task(worker, lease_store):
+        assert report.delay(1).get(timeout=10) == 1
+"""
+
+
+def test_a_worker_started_before_the_lease_store_fails_at_once_saying_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """A module-scoped in-process worker with ``lease_store_url`` unset, started before the
+    ``lease_store`` fixture: the test errors at once naming both fixes (it hung for ever)."""
+    run = _run_suite(tmp_path, {"test_early.py": EARLY_WORKER_TESTS}, timeout=60)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 error" in run.stdout
+    assert "lease_store_url is not set" in run.stdout
+    assert "lease_store fixture" in run.stdout and "memory://" in run.stdout
