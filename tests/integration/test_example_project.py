@@ -213,3 +213,58 @@ def test_sigterm_stops_the_demo_s_workers_and_removes_its_temp_dir(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         demo.wait()
         out.close()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for .venv/bin/python: logs each call; `-c CODE` fails if CODE imports a module
+# named in $MISSING (then run.sh installs); everything else succeeds at once.
+echo "$*" >> "$CALLS"
+if [ "$1" = -c ]; then
+  for module in $MISSING; do
+    case "$2" in *"$module"*) exit 1 ;; esac
+  done
+fi
+exit 0
+"""
+
+
+class TestRunShInstalls:
+    """run.sh installs the extra the --store/--broker URLs need, once, and nothing more."""
+
+    def _run_sh(self, tmp_path: Path, missing: str, *args: str) -> list[str]:
+        (tmp_path / "example_project").mkdir(exist_ok=True)
+        (tmp_path / "example_project" / "run.sh").write_text(
+            (ROOT / "example_project" / "run.sh").read_text()
+        )
+        python = tmp_path / ".venv" / "bin" / "python"
+        python.parent.mkdir(parents=True, exist_ok=True)
+        python.write_text(FAKE_PYTHON)
+        python.chmod(0o755)
+        calls = tmp_path / "calls"
+        calls.unlink(missing_ok=True)
+        done = subprocess.run(
+            ["bash", str(tmp_path / "example_project" / "run.sh"), *args],
+            env={**os.environ, "CALLS": str(calls), "MISSING": missing},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return [c for c in calls.read_text().splitlines() if c.startswith("-m pip install")]
+
+    def test_a_redis_broker_and_a_postgresql_store_install_their_extras(self, tmp_path):
+        """A clean venv with only the package: both extras, in one pip call."""
+        installs = self._run_sh(
+            tmp_path,
+            "redis psycopg",
+            "--broker",
+            "redis://127.0.0.1:6379/1",
+            "--store=postgresql+psycopg://u@127.0.0.1/db",
+        )
+        assert len(installs) == 1 and installs[0].endswith("-e .[redis,postgres]"), installs
+
+    def test_nothing_is_installed_when_the_drivers_are_there(self, tmp_path):
+        """The second run with the same flags, and the default run, install nothing."""
+        assert self._run_sh(tmp_path, "", "--store", "redis://127.0.0.1:6379/0") == []
+        assert self._run_sh(tmp_path, "redis psycopg") == []  # default run: no extra checked
