@@ -73,6 +73,10 @@ class LeaseStoreError(LeaseError):
         self.refused = refused
 
 
+#: The end of a busy claim's message; a skipped task's message leaves it out (it will not retry).
+BUSY_ADVICE = "; retry later or raise the lease wait budget"
+
+
 class LeaseBusyError(LeaseError):
     """The resource is held by another owner's live lease.
 
@@ -131,7 +135,7 @@ class LeaseBusyError(LeaseError):
         if position:
             detail += f"; waiting at place {position} of its wait list"
         busy = cls(
-            f"resource {resource!r} is held {detail}; retry later or raise the lease wait budget",
+            f"resource {resource!r} is held {detail}{BUSY_ADVICE}",
             resource,
             holder_label,
             fence,

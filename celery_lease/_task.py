@@ -44,6 +44,7 @@ from . import _outage as outage
 from ._app import AdoptsAppOptions, get_store, install, overridden_store, register_task_type
 from ._codec import decode, encode
 from ._errors import (
+    BUSY_ADVICE,
     IdentityDoneError,
     LeaseBusyError,
     LeaseConfigError,
@@ -662,6 +663,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
         if request.is_eager or request.called_directly:
+            if settings.on_busy == "skip" and not busy.duplicate:
+                raise _skipped(busy) from None
             raise busy
         # A copy of work running now (same identity under a live lease: a redelivery, a
         # duplicate send) is re-armed whatever on_busy says, also past busy_max_waits: acking
@@ -722,7 +725,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         over it or logging a task failure with a traceback.
         """
         request = self.request
-        skipped = LeaseBusyError(f"skipped (on_busy='skip'): {busy}", *busy.args[1:])
+        skipped = _skipped(busy)
         self._log(
             "skipped",
             logging.WARNING,
@@ -1012,6 +1015,12 @@ def _raw_attr(task: Any, name: str) -> Any:
 
 def _observe_acquire(started: float, result: str) -> None:
     events.observe("celery_lease_acquire_seconds", _clock.monotonic() - started, result=result)
+
+
+def _skipped(busy: LeaseBusyError) -> LeaseBusyError:
+    """The error of a task skipped by ``on_busy="skip"``: why, without "retry later"."""
+    reason = str(busy).removesuffix(BUSY_ADVICE)
+    return LeaseBusyError(f"skipped (on_busy='skip'): {reason}", *busy.args[1:])
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:

@@ -216,6 +216,24 @@ class TestEagerAndDirect:
         assert "someone-else" in str(result.result)
         store.release(held)
 
+    def test_eager_skip_says_skipped_as_the_worker_does(self, app):
+        """on_busy="skip" in eager mode raises at once a LeaseBusyError saying it was skipped
+        (as settings.md and the worker's stored FAILURE do), not "retry later"."""
+
+        @lease_task(app=app, resource="inv:{n}", on_busy="skip")
+        def task(n):
+            pass
+
+        store = get_store(app)
+        held = store.acquire("inv:4", Owner.new("someone-else"), 30)
+        try:
+            result = task.apply((4,))
+        finally:
+            store.release(held)
+        assert isinstance(result.result, LeaseBusyError)
+        assert str(result.result).startswith("skipped (on_busy='skip'): resource 'inv:4'")
+        assert result.result.resource == "inv:4"
+
     def test_task_always_eager_claims_and_fails_fast_when_busy(self, app):
         """With task_always_eager, delay() runs in place under a real lease, never spinning."""
         app.conf.task_always_eager = True
