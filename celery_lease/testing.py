@@ -238,7 +238,9 @@ def send_twice(
 
     With ``task_always_eager`` both copies run one after the other in this thread; with a
     worker they may overlap. Returns both ``AsyncResult``/``EagerResult`` objects; the copy
-    that did not run the body ends with the recorded result of the one that did.
+    that did not run the body ends with the recorded result of the one that did. A body that
+    raises leaves its identity ``failed``, not done: then both copies run it (the second as
+    ``recovered``).
     """
     from uuid import uuid4
 

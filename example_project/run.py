@@ -495,7 +495,7 @@ def run(options: argparse.Namespace, scenarios: list[tuple[str, Callable[[Demo],
                 print(f"INVARIANT FAILED: {failure}")
             return 1
         print(f"all invariants held ({took:.0f} s).")
-        if app.conf.broker_url.startswith("sqla"):
+        if app.conf.broker_url.startswith("sqla+sqlite"):  # not a sqla+postgresql broker
             print(
                 "The embedded broker is for development and single hosts: it does not redeliver\n"
                 "a crashed worker's message (scenario 1 re-sent it); use Redis or RabbitMQ with\n"
