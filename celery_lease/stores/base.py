@@ -40,7 +40,10 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     than ``handoff_grace`` seconds ago, only the head can claim it; every other claim is refused
     and queued behind. A head woken longer ago that has not claimed (its message waits behind
     a backlog, or its worker is paused) keeps its place but nothing is held for it: any claim
-    may take the free resource. A waiter leaves the list when it claims.
+    may take the free resource. After a head missed its grace, nothing is held for any head
+    (woken or not) for ``10 * handoff_grace`` seconds, so a backlog that keeps missing its
+    wakes cannot keep the resource idle; a woken waiter behind a head that is not held for is
+    not held for either. A waiter leaves the list when it claims.
 14. ``release`` wakes in its own round trip: the first waiter never woken (the head, in the
     common case) is marked woken and its wake payload comes back in ``lease.handoff`` for the
     releaser to send, unless a wake was sent less than ``handoff_grace`` ago (one wake in flight
@@ -162,7 +165,7 @@ class Waiter:
     identity: str
     since: datetime  # its first refused claim, store clock
     expires_at: datetime  # when its place lapses unless it claims again
-    woken: bool  # woken less than the grace ago and not claimed yet (held for it at the head)
+    woken: bool  # woken less than the grace ago, not claimed yet (held only at the head, 13)
 
 
 #: Default cap on a resource's wait list; a refused claim beyond it waits with the back-off.
