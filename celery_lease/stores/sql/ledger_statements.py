@@ -143,10 +143,19 @@ class LedgerStatements:
             "EXISTS (SELECT 1 FROM old_ident AS o WHERE o.state = 'running' "
             "AND o.fence = dec.fence)"
         )
-        not_done = "NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done')"
+        # The refused claim's FOR UPDATE read returns the newest lease row, but old_ident is of
+        # the statement's snapshot: if a claim or release committed on the row since (its fence
+        # or holder differs from the snapshot's), the identity state may be stale too, so the
+        # settling read takes no row and the caller asks again with a fresh snapshot.
+        not_done = (
+            "NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done') "
+            "AND fence = (SELECT w.fence FROM was AS w) "
+            "AND owner_token IS NOT DISTINCT FROM (SELECT w.owner_token FROM was AS w)"
+        )
         self.acquire = f"""
             WITH clk AS (SELECT {now} AS us),
             old_ident AS ({self.ident_read}),
+            was AS (SELECT fence, owner_token FROM {t} WHERE resource = {p("r")}),
             claim AS ({claim}),{wait_sql.claim_settle(t, p, duplicate, not_done)},
             mark AS ({
             mark.format(

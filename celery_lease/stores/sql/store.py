@@ -216,7 +216,9 @@ class SQLLeaseStore(BaseLeaseStore):
                     )
                 if h_token is None or h_expires <= now:
                     # Our snapshot shows the lease free (released or expired), but a claim
-                    # racing ours committed first: held by an owner we cannot see yet.
+                    # racing ours committed first: held by an owner we cannot see yet. (Also
+                    # an identity claim whose lease row was claimed or released while it
+                    # waited for the row lock: its snapshot's identity state may be stale.)
                     continue
                 if h_token != owner.token:
                     raise LeaseBusyError.held(
