@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -204,6 +205,7 @@ def start_servers(stack: contextlib.ExitStack, env: dict[str, Any], stores: list
         SQLLeaseStore(url=urls["postgres"], table_prefix=TABLE_PREFIX).close()
     if "sqlite" in stores:
         tmp = tempfile.mkdtemp(prefix="celery-lease-hot-")
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         urls["sqlite"] = f"sqlite:///{tmp}/leases.db"
         from celery_lease.stores.sql import SQLLeaseStore
 
@@ -346,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             errors["run"] = traceback.format_exc()
             print(errors["run"])
+    if errors or interrupted:
+        print(f"worker logs kept in {logdir}")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
     print(f"\n== N={args.n} H={args.hold}s, {args.workers} workers x {args.concurrency}")
     print_table(rows)
     checks = targets(rows)
