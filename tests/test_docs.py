@@ -18,9 +18,10 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,7 +112,12 @@ def test_every_python_block_is_executed_or_type_checked(page: Path) -> None:
     for block in python:
         assert block.mode in {"exec", "typecheck"}, block.where
         assert block.mode == "exec" or block.reason, f"{block.where}: say why it is not run"
-    for block in parsed.of("exec", "typecheck", "setup"):
+    _assert_parses(parsed.of("exec", "typecheck", "setup"))
+
+
+def _assert_parses(blocks: Iterable[Any]) -> None:
+    """Every block is valid Python; a syntax error names the block's file:line."""
+    for block in blocks:
         try:
             ast.parse(block.code)
         except SyntaxError as exc:
@@ -147,12 +153,10 @@ def test_every_docstring_example_is_executed_or_type_checked() -> None:
     # The examples the API reference shows were found (the scan does not silently see none).
     assert {"celery_lease._task.lease_task", "celery_lease.fencing.FenceGate"} <= labels
     for page in DOCSTRINGS:
-        for block in page.of("exec", "typecheck", "setup"):
+        blocks = page.of("exec", "typecheck", "setup")
+        for block in blocks:
             assert block.mode != "typecheck" or block.reason, block.where
-            try:
-                ast.parse(block.code)
-            except SyntaxError as exc:
-                pytest.fail(f"{block.where} (+{exc.lineno}): {exc.msg}")
+        _assert_parses(blocks)
 
 
 @pytest.mark.parametrize(
