@@ -104,6 +104,8 @@ def test_with_the_gateway_s_fence_check_off_the_evidence_follows_the_tables(tmp_
         str(world),
         env={"DEMO_GATEWAY_FENCE_CHECK": "off"},
     )
+    # The demo copies its tables only after every scenario ran: no copy means it broke off.
+    assert world.exists(), f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     stale = _stale_accepted(world, "%browser/account-7")
     # The paused session's click is shielded from the interrupt, so it always reaches the
     # gateway late: with the check off, the gateway accepts it.
