@@ -35,7 +35,8 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
 
 12. A claim refused because other work holds the resource joins the resource's FIFO wait list
     in the same round trip (at most ``wait_cap`` waiters; an identity already waiting keeps its
-    place). A waiter's place lapses ``wait_ttl`` seconds after its last refused claim.
+    place, and a refused claim re-arms it: it no longer counts as woken, see 14). A waiter's
+    place lapses ``wait_ttl`` seconds after its last refused claim.
 13. While the resource has no live lease and its head waiter was never woken, or was woken less
     than ``handoff_grace`` seconds ago, only the head can claim it; every other claim is refused
     and queued behind. A head woken longer ago that has not claimed (its message waits behind
@@ -47,8 +48,11 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
 14. ``release`` wakes in its own round trip: the first waiter never woken (the head, in the
     common case) is marked woken and its wake payload comes back in ``lease.handoff`` for the
     releaser to send, unless a wake was sent less than ``handoff_grace`` ago (one wake in flight
-    at a time). A waiter is woken once. A claim refused by a head nobody woke gets the head's
-    payload in ``LeaseBusyError.wake`` (the releaser died before waking it).
+    at a time). A waiter is woken once per refused claim: one whose woken copy came back
+    refused (too late, or beaten to the resource) is re-armed by that claim (12) and woken
+    again by a later release, so no release wakes nobody while a re-armed waiter is listed.
+    A claim refused by a head nobody woke gets the head's payload in ``LeaseBusyError.wake``
+    (the releaser died before waking it).
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class _Record:
 
 def _wake(waiter: list[Any], until: int) -> None:
     """Mark ``waiter`` woken until ``until`` (its place is kept as long); at the head, the free
-    resource is held for it until then. Once that passes unclaimed the waiter stays woken (never
-    woken again) and keeps its place."""
+    resource is held for it until then. Once that passes unclaimed the waiter keeps its place and
+    is not woken again until a refused claim of its own re-arms it (``_join``)."""
     waiter[3] = until
     waiter[2] = max(waiter[2], until)
 
@@ -134,7 +134,10 @@ class MemoryLeaseStore(BaseLeaseStore):
         until = now + round(wait_ttl * 1e6)
         for place, waiter in enumerate(waits, 1):
             if waiter[0] == identity:
+                # Refused again (a woken copy too late or beaten to it, or a back-stop copy):
+                # it keeps its place and is re-armed, so the next release wakes it again.
                 waiter[2] = max(waiter[2], until)
+                waiter[3] = 0
                 waiter[4] = payload
                 return place
         if len(waits) >= self.wait_cap:

@@ -5,7 +5,8 @@ Waiters are made to arrive one at a time: each is sent only once the one before 
 bodies run in that order; without it (``lease_handoff=False``, or ``identity=False``: the
 back-off alone, the negative controls) later arrivals overtake earlier ones. A releaser
 SIGKILLed after its release and before it sends the head waiter's message (failpoint
-``before_wake``) leaves the waiter to its back-stop copy: it still runs, exactly once.
+``before_wake``) leaves the waiter to its back-stop copy: it still runs, exactly once. A burst
+past the wait list's cap, with a grace woken copies often miss, never waits for a back-stop.
 """
 
 from __future__ import annotations
@@ -122,3 +123,41 @@ def test_a_waiter_still_runs_once_when_its_releaser_dies_before_waking_it(
     entered = [e for e in events.where(ev="enter", res=n) if e["k"] == 1]
     assert len(entered) == 1, f"the waiter's body ran {len(entered)} times"
     del holder
+
+
+BURST = 24
+#: A 0.05 s grace (woken copies often miss it, and back-off claims then beat them to the free
+#: resource), a wait list of 4 (the other 20 tasks poll with the back-off), and back-stop copies
+#: 60 s after each refused claim (no sooner than the ttl).
+BURST_ENV = {
+    "CL_TTL": "60",
+    "CL_BACKOFF_BASE": "0.05",
+    "CL_BACKOFF_CAP": "60",
+    "CL_WAIT_CAP": "4",
+    "CL_HANDOFF_GRACE": "0.05",
+}
+#: Well below the 60 s a task left to its back-stop copy needs (24 x 0.05 s of bodies).
+BURST_DEADLINE = 30.0
+
+
+@pytest.mark.parametrize("kind", ["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_burst_past_the_cap_with_a_short_grace_never_waits_for_the_back_stop(
+    it_app, start_worker, store_env, events, queue, kind
+):
+    """24 tasks at once on one resource: every one runs, once, long before a back-stop copy
+    could run it. Before (issue 10): a woken waiter beaten to the resource, or too late for
+    its grace, stayed marked woken, no release woke it again, and it ran only from its
+    back-stop copy 60 s later (seen: this test timed out)."""
+    env = {**store_env(kind), **BURST_ENV}
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=4)
+    n = unique("b")
+    results = [it_app.fifo_hold.apply_async((n, k, 0.05), queue=queue) for k in range(BURST)]
+    wait_for(
+        lambda: len(events.where(ev="exit", res=n)) >= BURST,
+        BURST_DEADLINE,
+        f"all {BURST} tasks of the burst to run",
+    )
+    order, overlaps = _order(events, n, results)
+    assert overlaps == 0
+    assert sorted(order) == list(range(BURST)), f"bodies ran {order}"

@@ -49,6 +49,15 @@ app.conf.update(
 )
 if env.get("CL_HANDOFF"):  # unset: the library's default (on)
     app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
+if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
+    # The wait list cap and the hand-off grace are store constants, not settings: set the
+    # defaults every store this worker makes starts with.
+    from celery_lease.stores import base as _store_base
+
+    _store_base.DEFAULT_WAIT_CAP = int(env.get("CL_WAIT_CAP") or _store_base.DEFAULT_WAIT_CAP)
+    _store_base.DEFAULT_HANDOFF_GRACE = float(
+        env.get("CL_HANDOFF_GRACE") or _store_base.DEFAULT_HANDOFF_GRACE
+    )
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 if env.get("CL_VISIBILITY"):

@@ -120,8 +120,10 @@ class TestWaitList:
     def test_a_head_that_misses_its_grace_keeps_its_place_but_holds_nothing(self, wstore, names):
         """Past the grace the free resource goes to the next claim rather than sitting idle for
         a head whose woken copy is stuck (behind a backlog, in a paused worker); the head keeps
-        its place and claims whenever it comes. Before: the head was dropped from the list and
-        the resource held for the next head in turn."""
+        its place and claims whenever it comes, and when its copy comes back refused it is
+        re-armed and woken by the next release. Before: the head was dropped from the list and
+        the resource held for the next head in turn; later, the refused head stayed marked
+        woken and no release woke it again (issue 10)."""
         wstore.handoff_grace = 0.05
         r = names + "r"
         lease = claim(wstore, r, "holder")
@@ -133,12 +135,13 @@ class TestWaitList:
         lease = claim(wstore, r, "c")  # a waiter behind the head takes it, and leaves the list
         assert [w.identity for w in wstore.waiters(r)] == ["slow", "b"]
         assert refused(wstore, r, "slow").position == 1  # refused while held: keeps its place
+        assert not wstore.waiters(r)[0].woken  # and is re-armed
         wstore.release(lease)
-        assert lease.handoff == "payload-b"  # the first waiter never woken
-        lease = claim(wstore, r, "slow")  # nothing is held for b: it is not the head
+        assert lease.handoff == "payload-slow"  # woken again, ahead of b
+        lease = claim(wstore, r, "slow")
         assert [w.identity for w in wstore.waiters(r)] == ["b"]
         wstore.release(lease)
-        assert lease.handoff is None  # b was woken already: it is not woken twice
+        assert lease.handoff == "payload-b"
         claim(wstore, r, "b")
         assert wstore.waiters(r) == []
 
@@ -193,6 +196,65 @@ class TestWaitList:
         assert wstore.waiters(r)[0].woken
         claim(wstore, r, "a")
         del lease
+
+    def test_a_woken_waiter_refused_after_its_grace_is_woken_again_by_the_next_release(
+        self, wstore, names
+    ):
+        """A woken waiter whose claim came back refused (its grace lapsed and the one behind
+        it took the resource) keeps its place and is re-armed: the next release wakes it, not
+        the waiter behind it. Before: it stayed marked woken, no release ever woke it again
+        and it waited for its back-stop copy (issue 10, the N=200 burst)."""
+        wstore.handoff_grace = 0.05
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        for w in ("late", "b", "c"):
+            refused(wstore, r, w)
+        wstore.release(lease)
+        assert lease.handoff == "payload-late"
+        wait_for(lambda: not wstore.waiters(r)[0].woken, 5, "the grace window to pass")
+        lease = claim(wstore, r, "b")  # the late head's grace lapsed: b may take it
+        busy = refused(wstore, r, "late")  # the woken copy comes back refused
+        assert busy.position == 1
+        assert [(w.identity, w.woken) for w in wstore.waiters(r)] == [
+            ("late", False),
+            ("c", False),
+        ]
+        wstore.release(lease)
+        assert lease.handoff == "payload-late"  # its own wake, not c's
+        claim(wstore, r, "late")
+        assert [w.identity for w in wstore.waiters(r)] == ["c"]
+
+    def test_no_release_goes_silent_while_waiters_are_listed(self, wstore, names):
+        """Every release with a listed waiter nobody is waking hands over to one, however
+        often woken waiters come back too late: each late waiter is woken again until it
+        runs. Before: once every listed waiter had been woken once, releases woke nobody
+        and the list waited for its back-stop copies."""
+        wstore.handoff_grace = 0.05
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        waiting = ["w0", "w1", "w2", "w3"]
+        for w in waiting:
+            refused(wstore, r, w)
+        ran = []
+        for turn in range(12):
+            wstore.release(lease)
+            assert lease.handoff is not None, f"release {turn} woke nobody; {wstore.waiters(r)}"
+            woken = lease.handoff.removeprefix("payload-")
+            if turn % 3 == 2 or len(waiting) == 1:  # on time: it claims within its grace
+                lease = claim(wstore, r, woken)
+            else:  # too late: the next waiter takes the resource first, then it is refused
+                wait_for(lambda: not any(w.woken for w in wstore.waiters(r)), 5, "the grace")
+                other = next(w for w in waiting if w != woken)
+                lease = claim(wstore, r, other)
+                assert refused(wstore, r, woken).position
+                woken = other
+            waiting.remove(woken)
+            ran.append(woken)
+            if not waiting:
+                break
+        assert sorted(ran) == ["w0", "w1", "w2", "w3"]
+        assert wstore.release(lease) and lease.handoff is None
+        assert wstore.waiters(r) == []
 
     def test_a_duplicate_of_the_running_identity_is_not_queued(self, wstore, names):
         """A copy of the running work is never queued behind itself."""

@@ -126,8 +126,8 @@ local function wl_save(wkey, xkey, res, list)
   redis.call('ZADD', xkey, last, res)
 end
 -- mark this waiter woken until `until_` (its place is kept at least as long); at the head, the
--- free resource is held for it until then. Once that passes unclaimed, the waiter stays woken
--- (never woken again) and keeps its place.
+-- free resource is held for it until then. Once that passes unclaimed, the waiter keeps its
+-- place and is not woken again until a refused claim of its own re-arms it (join()).
 local function wl_wake(w, until_)
   w[4] = fmt(until_)
   if until_ > tonumber(w[3]) then w[3] = w[4] end
@@ -237,8 +237,11 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
   if ARGV[7] == '' or not member then return 0 end
   local until_ = fmt(now + tonumber(ARGV[8]))
   for k, w in ipairs(wl) do
-    if w[1] == ARGV[5] then  -- already waiting: keep the place, refresh it
+    if w[1] == ARGV[5] then  -- already waiting: keep the place, refresh it, and re-arm it
+      -- (refused again: a woken copy too late or beaten to it, or a back-stop copy), so the
+      -- next release wakes it again
       if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
+      w[4] = '0'
       redis.call('HSET', KEYS[8], member, ARGV[7])
       dirty = true
       return k

@@ -74,11 +74,15 @@ class Waits:
         return 0
 
     def join(self, identity: str, payload: str, until: int, now: int, cap: int) -> int:
-        """Put ``identity`` at the back, or keep and refresh its place; its place (0: full)."""
+        """Put ``identity`` at the back, or keep and refresh its place; its place (0: full).
+
+        A waiter refused again (a woken copy too late or beaten to it, or a back-stop copy)
+        is re-armed: the next release wakes it again."""
         place = self.position(identity)
         if place:
             entry = self.places[place - 1]
             entry[2] = max(int(entry[2]), until)
+            entry[3] = 0
             entry[4] = payload
             return place
         if len(self.places) >= cap:
