@@ -37,14 +37,15 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     in the same round trip (at most ``wait_cap`` waiters; an identity already waiting keeps its
     place, and a refused claim re-arms it: it no longer counts as woken, see 14). A waiter's
     place lapses ``wait_ttl`` seconds after its last refused claim.
-13. While the resource has no live lease and its head waiter was never woken, or was woken less
-    than ``handoff_grace`` seconds ago, only the head can claim it; every other claim is refused
-    and queued behind. A head woken longer ago that has not claimed (its message waits behind
-    a backlog, or its worker is paused) keeps its place but nothing is held for it: any claim
-    may take the free resource. After a head missed its grace, nothing is held for any head
-    (woken or not) for ``10 * handoff_grace`` seconds, so a backlog that keeps missing its
-    wakes cannot keep the resource idle; a woken waiter behind a head that is not held for is
-    not held for either. A waiter leaves the list when it claims.
+13. While the resource has no live lease it is held for its first waiter that did not miss its
+    grace: one never woken (or re-armed, 12), or woken less than ``handoff_grace`` seconds ago.
+    Only that waiter, or a waiter listed before it, can claim it; every other claim is refused
+    and queued behind. A waiter woken longer ago that has not claimed (its message waits behind
+    a backlog, or its worker is paused) missed its grace: it keeps its place and may claim
+    whenever it comes (it arrived earlier), but nothing is held for it; the hold moves on to
+    the waiters behind it. After a wake missed its grace, nothing is held for any waiter (woken
+    or not) for ``10 * handoff_grace`` seconds, so a backlog that keeps missing its wakes
+    cannot keep the resource idle. A waiter leaves the list when it claims.
 14. ``release`` wakes in its own round trip: the first waiter never woken (the head, in the
     common case) is marked woken and its wake payload comes back in ``lease.handoff`` for the
     releaser to send, unless a wake was sent less than ``handoff_grace`` ago (one wake in flight
@@ -169,7 +170,7 @@ class Waiter:
     identity: str
     since: datetime  # its first refused claim, store clock
     expires_at: datetime  # when its place lapses unless it claims again
-    woken: bool  # woken less than the grace ago, not claimed yet (held only at the head, 13)
+    woken: bool  # woken less than the grace ago, not claimed yet (see 13 for whom it holds)
 
 
 #: Default cap on a resource's wait list; a refused claim beyond it waits with the back-off.

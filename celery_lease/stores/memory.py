@@ -60,11 +60,24 @@ class _Record:
 
 
 def _wake(waiter: list[Any], until: int) -> None:
-    """Mark ``waiter`` woken until ``until`` (its place is kept as long); at the head, the free
-    resource is held for it until then. Once that passes unclaimed the waiter keeps its place and
-    is not woken again until a refused claim of its own re-arms it (``_join``)."""
+    """Mark ``waiter`` woken until ``until`` (its place is kept as long); the free resource is
+    held for it until then (against the claims listed behind it). Once that passes unclaimed
+    the waiter keeps its place and is not woken again until a refused claim of its own re-arms
+    it (``_join``)."""
     waiter[3] = until
     waiter[2] = max(waiter[2], until)
+
+
+def _held(waits: list[list[Any]], identity: str | None, now: int) -> list[Any] | None:
+    """The waiter the free resource is held for against a claim by ``identity``: the first
+    that did not miss its grace (never woken, or woken less than the grace ago), unless
+    ``identity`` is that waiter or listed before it (None then, or when nobody waits)."""
+    for waiter in waits:
+        if waiter[0] == identity:
+            return None
+        if waiter[3] == 0 or waiter[3] > now:
+            return waiter
+    return None
 
 
 class MemoryLeaseStore(BaseLeaseStore):
@@ -192,32 +205,28 @@ class MemoryLeaseStore(BaseLeaseStore):
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
             else:
-                head = waits[0] if waits else None
-                slow = self._slow.get(resource, 0) > now
-                if (
-                    head is not None
-                    and head[0] != identity
-                    and not slow
-                    and (head[3] == 0 or head[3] > now)
-                ):
-                    # held for the head waiter (woken, within its grace): wait behind it
+                held = None if self._slow.get(resource, 0) > now else _held(waits, identity, now)
+                if held is not None:
+                    # held for a waiter ahead of this claim (never woken, or woken within its
+                    # grace): wait behind it
                     position = self._join(resource, identity, payload, wait_ttl, now)
                     wake = None
-                    if head[3] == 0:  # nobody woke it (the releaser died?): wake it now
-                        _wake(head, now + round(self.handoff_grace * 1e6))
-                        wake = head[4]
+                    if held[3] == 0:  # nobody woke it (the releaser died?): wake it now
+                        _wake(held, now + round(self.handoff_grace * 1e6))
+                        wake = held[4]
                     raise LeaseBusyError.held(
                         resource,
-                        f"the waiting task {head[0]} (hand-off)",
+                        f"the waiting task {held[0]} (hand-off)",
                         self._fences.get(resource, 0),
-                        (head[3] - now) / 1e6,
+                        (held[3] - now) / 1e6,
                         position=position,
                         wake=wake,
                     )
-                # The head claims; or its grace passed without a claim, or a wake missed its
-                # grace lately (woken copies wait behind a backlog, or their workers are
-                # paused): the head keeps its place and this claim takes the resource rather
-                # than leaving it idle. A waiter that claims leaves the list.
+                # The waiter held for claims, or a waiter ahead of it that missed its grace
+                # (an earlier arrival); or a wake missed its grace lately (woken copies wait
+                # behind a backlog, or their workers are paused) and nothing is held: this
+                # claim takes the resource rather than leaving it idle. A waiter that claims
+                # leaves the list.
                 for place, waiter in enumerate(waits):
                     if waiter[0] == identity:
                         del waits[place]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import sqlalchemy as sa
 
@@ -255,6 +257,38 @@ class TestWaitList:
         assert sorted(ran) == ["w0", "w1", "w2", "w3"]
         assert wstore.release(lease) and lease.handoff is None
         assert wstore.waiters(r) == []
+
+    def test_the_hold_moves_past_a_head_that_missed_its_grace(self, wstore, names):
+        """Once the pause after a missed wake is over, a head that missed its grace is not
+        held for, but the next waiter is: a newcomer is refused (and wakes it) and stays
+        refused while its grace runs; the late head, an earlier arrival, may still claim.
+        Before: nothing was held for anyone while the late head kept its place, so
+        newcomers overtook every waiter behind it."""
+        wstore.handoff_grace = 0.3  # b's grace must outlast two claims below
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        for w in ("late", "b", "c"):
+            refused(wstore, r, w)
+        wstore.release(lease)
+        assert lease.handoff == "payload-late"
+        wait_for(lambda: not wstore.waiters(r)[0].woken, 5, "the grace window to pass")
+        # The pause of the hold after a missed wake (10 graces, invariant 13) ends at a
+        # known store time: the grace ended before we saw it end, and every store reads
+        # this machine's clock.
+        time.sleep(10 * wstore.handoff_grace + 0.05)
+        busy = refused(wstore, r, "newcomer")
+        assert busy.wake == "payload-b" and "hand-off" in str(busy)
+        assert busy.position == 4
+        assert refused(wstore, r, "later").wake is None  # b's grace runs: still held for b
+        assert [(w.identity, w.woken) for w in wstore.waiters(r)][:3] == [
+            ("late", False),
+            ("b", True),
+            ("c", False),
+        ]
+        lease = claim(wstore, r, "late")  # the late head arrived before b: it may claim
+        wstore.release(lease)
+        lease = claim(wstore, r, "b")
+        assert [w.identity for w in wstore.waiters(r)] == ["c", "newcomer", "later"]
 
     def test_a_duplicate_of_the_running_identity_is_not_queued(self, wstore, names):
         """A copy of the running work is never queued behind itself."""

@@ -125,9 +125,10 @@ local function wl_save(wkey, xkey, res, list)
   if list.slow > 0 then redis.call('HSET', wkey, '!' .. res, fmt(list.slow)) end
   redis.call('ZADD', xkey, last, res)
 end
--- mark this waiter woken until `until_` (its place is kept at least as long); at the head, the
--- free resource is held for it until then. Once that passes unclaimed, the waiter keeps its
--- place and is not woken again until a refused claim of its own re-arms it (join()).
+-- mark this waiter woken until `until_` (its place is kept at least as long); the free resource
+-- is held for it until then (against the claims listed behind it). Once that passes unclaimed,
+-- the waiter keeps its place and is not woken again until a refused claim of its own re-arms
+-- it (join()).
 local function wl_wake(w, until_)
   w[4] = fmt(until_)
   if until_ > tonumber(w[3]) then w[3] = w[4] end
@@ -187,9 +188,9 @@ ACQUIRE = (
 -- ARGV[5] identity or '', ARGV[6] retention (us), ARGV[7] wake payload or '' (join the wait
 -- list when refused; needs an identity), ARGV[8] how long the waiter's place is kept (us),
 -- ARGV[9] wait list cap, ARGV[10] hand-off grace (us)
--- While the resource has no live lease and its head waiter was never woken, or was woken less
--- than the grace ago, only the head waiter may claim it; once the head's grace has passed
--- unclaimed, any claim may take the resource (the head keeps its place).
+-- While the resource has no live lease, it is held for its first waiter that did not miss its
+-- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
+-- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
 --          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil}
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate,
@@ -267,25 +268,36 @@ if cur then
   end
 end
 if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
-  local head = wl[1]
-  local woken = tonumber(head[4])
-  if head[1] ~= ARGV[5] and wl.slow <= now and (woken == 0 or woken > now) then
-    -- held for the head waiter (woken, within its grace): wait behind it
+  -- the waiter held for: the first that did not miss its grace (never woken, or woken less
+  -- than the grace ago), unless this claimant is that waiter or listed before it
+  local held = false
+  if wl.slow <= now then
+    for _, w in ipairs(wl) do
+      if w[1] == ARGV[5] then break end
+      local woken = tonumber(w[4])
+      if woken == 0 or woken > now then
+        held = w
+        break
+      end
+    end
+  end
+  if held then
+    -- held for a waiter ahead of this claim: wait behind it
     local pos = join()
     local wake = false
-    if woken == 0 then  -- nobody woke it (the releaser died?): wake it now
-      wl_wake(head, now + tonumber(ARGV[10]))
-      wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. head[1])
+    if tonumber(held[4]) == 0 then  -- nobody woke it (the releaser died?): wake it now
+      wl_wake(held, now + tonumber(ARGV[10]))
+      wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. held[1])
       dirty = true
     end
     if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
-    return {0, 'the waiting task ' .. head[1] .. ' (hand-off)', tonumber(got[1] or '0'),
-      tonumber(head[4]), now, epoch, 0, pos, wake}
+    return {0, 'the waiting task ' .. held[1] .. ' (hand-off)', tonumber(got[1] or '0'),
+      tonumber(held[4]), now, epoch, 0, pos, wake}
   end
-  -- the head claims; or its grace passed without a claim, or a wake missed its grace lately
-  -- (woken copies wait behind a backlog, or their workers are paused): the head keeps its
-  -- place and this claim takes the resource rather than leaving it idle. A waiter that claims
-  -- leaves the list.
+  -- the waiter held for claims, or a waiter ahead of it that missed its grace (an earlier
+  -- arrival); or a wake missed its grace lately (woken copies wait behind a backlog, or their
+  -- workers are paused) and nothing is held: this claim takes the resource rather than
+  -- leaving it idle. A waiter that claims leaves the list.
   for k, w in ipairs(wl) do
     if w[1] == ARGV[5] then
       table.remove(wl, k)

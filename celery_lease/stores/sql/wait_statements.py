@@ -4,8 +4,9 @@ The claim stays one statement. Its first step is the plain upsert, which takes a
 when nobody waits (``waits IS NULL``): the common claim never reads the list. When that refuses,
 the statement's second half settles the claim on the newest committed row, read ``FOR UPDATE``
 (in READ COMMITTED that read waits for a racing writer and returns the row it committed): it
-takes a free row that no head waiter holds, or refuses and joins the list and wakes a head
-nobody woke, writing the row back once. The release rewrites the list in the same ``UPDATE``
+takes a free row that no waiter holds (the first waiter that did not miss its grace holds it
+against claims listed behind it), or refuses and joins the list and wakes the waiter held for
+if nobody woke it, writing the row back once. The release rewrites the list in the same ``UPDATE``
 that frees the row (only when there is one) and returns the woken waiter's payload.
 
 Parameters: ``r`` resource, ``t`` owner token, ``l`` label, ``ttl`` (us), ``i`` identity or
@@ -63,17 +64,20 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                 greatest(coalesce(c.wait_slow_us, 0), coalesce((
                     SELECT max((wl.e->>3)::bigint) FROM wl
                     WHERE (wl.e->>3)::bigint BETWEEN 1 AND k.us) + 10 * {grace}, 0)) AS slow,
-                (SELECT lw.e FROM lw WHERE lw.pos = 1) AS head,
+                h.e AS head, h.pos AS hpos,
                 (SELECT count(*) FROM lw) AS cnt,
                 (SELECT lw.pos FROM lw WHERE lw.e->>0 = {i}) AS mine
-            FROM cur AS c, clk AS k),
+            FROM cur AS c CROSS JOIN clk AS k
+            LEFT JOIN LATERAL (
+                SELECT lw.e, lw.pos FROM lw
+                WHERE (lw.e->>3)::bigint = 0 OR (lw.e->>3)::bigint > k.us
+                ORDER BY lw.pos LIMIT 1) AS h ON true),
         dec AS MATERIALIZED (
             SELECT st.*, CASE
                 WHEN st.live AND st.owner_token <> {p("t")} THEN 'busy'
                 WHEN st.live THEN 'mine'
-                WHEN st.head IS NOT NULL AND st.head->>0 IS DISTINCT FROM {i}
-                     AND st.slow <= st.now
-                     AND ((st.head->>3)::bigint = 0 OR (st.head->>3)::bigint > st.now)
+                WHEN st.head IS NOT NULL AND st.slow <= st.now
+                     AND (st.mine IS NULL OR st.mine > st.hpos)
                      THEN 'held'
                 ELSE 'claim' END AS verdict
             FROM st),
@@ -86,7 +90,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
         nl AS (
             SELECT act.*, coalesce((
                 SELECT jsonb_agg(CASE
-                    WHEN act.wakes AND x.pos = 1 THEN jsonb_build_array(x.e->0, x.e->1,
+                    WHEN act.wakes AND x.pos = act.hpos THEN jsonb_build_array(x.e->0, x.e->1,
                         greatest((x.e->>2)::bigint, act.now + {grace}), act.now + {grace},
                         x.e->4)
                     WHEN act.joins AND x.e->>0 = {i} THEN jsonb_build_array(x.e->0, x.e->1,
@@ -123,8 +127,8 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
 
 def hand_off_columns(p: Callable[[str], str]) -> str:
     """The claim's last columns, from ``nl`` as ``h``: its place in the wait list (0: not
-    queued), the payload of a head this claim woke, and the head waiter (and until when it is
-    held for) when refused for a hand-off."""
+    queued), the payload of the waiter this claim woke, and the waiter held for (and until
+    when) when refused for a hand-off."""
     return f"""
             CASE WHEN h.joins THEN coalesce(h.mine, CASE WHEN h.cnt < {p("cap")}::bigint
                  THEN h.cnt + 1 ELSE 0 END) ELSE 0 END,

@@ -73,6 +73,18 @@ class Waits:
                 return place
         return 0
 
+    def held(self, identity: str | None, now: int) -> Place | None:
+        """The waiter the free resource is held for against a claim by ``identity``: the
+        first that did not miss its grace (never woken, or woken less than the grace ago),
+        unless ``identity`` is that waiter or listed before it (None then)."""
+        for entry in self.places:
+            if entry[0] == identity:
+                return None
+            woken = int(entry[3])
+            if woken == 0 or woken > now:
+                return entry
+        return None
+
     def join(self, identity: str, payload: str, until: int, now: int, cap: int) -> int:
         """Put ``identity`` at the back, or keep and refresh its place; its place (0: full).
 
@@ -116,8 +128,8 @@ class Settled:
     waits: Waits
     write: bool = False  # the list changed: write it back
     position: int = 0
-    wake: str | None = None  # the head's payload, woken by this claim
-    head: Place | None = field(default=None)
+    wake: str | None = None  # the held waiter's payload, woken by this claim
+    head: Place | None = field(default=None)  # the waiter held for ("held")
 
 
 def decide(
@@ -136,18 +148,13 @@ def decide(
     """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now)."""
     owner, expires, now = holder
     waits = Waits.read(raw, slow, now, 10 * grace_us)
-    head = waits.places[0] if waits.places else None
     live = owner is not None and expires > now
+    head = None if live or waits.slow > now else waits.held(identity, now)
     if live and owner != token:
         verdict = "busy"
     elif live:
         verdict = "mine"
-    elif (
-        head is not None
-        and head[0] != identity
-        and waits.slow <= now
-        and (head[3] == 0 or head[3] > now)
-    ):
+    elif head is not None:
         verdict = "held"
     else:
         settled = Settled("claim", waits, write=True, head=head)
