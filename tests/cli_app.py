@@ -10,20 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from celery import Celery
-
 import celery_lease
+from tests.cli_config import make_app
 
 env = os.environ
-app = Celery("cli_app", broker="memory://", backend="cache+memory://")
-if env.get("CLI_STORE"):
-    app.conf.update(
-        lease_store_url=env["CLI_STORE"],
-        lease_key_prefix=env.get("CLI_PREFIX", "celery_lease") + ":",
-        lease_table_prefix=env.get("CLI_PREFIX", "celery_lease") + "_",
-        # Short, so a sweeper's claim left by a failed cleanup expires within the test.
-        lease_ttl=float(env.get("CLI_TTL", "60")),
-    )
+app = make_app(env)
 
 # Cleanup hooks for tests/test_sweeper.py: each leaves a mark file in CLI_MARKS.
 # "fragile/" fails while the file "broken" exists there.

@@ -1,4 +1,9 @@
-"""``celery -A app lease ...`` run as a real subprocess against real stores, errors included."""
+"""``celery -A app lease ...`` against real stores, errors included.
+
+Most tests run the command group in-process (``Target.run``, see tests/cli_helpers.py); the
+ones that call ``run_lease`` or ``Target.run_subprocess`` run the real ``python -m celery``
+entry point, so its exit statuses, stderr and stdin prompt are proven end to end too.
+"""
 
 from __future__ import annotations
 
@@ -270,7 +275,7 @@ class TestErrors:
         assert done.returncode == 2
         assert "pass --force" in one_line_error(done)
 
-        done = sqlite_target.run("release", "browser/a", "--force", stdin="n\n")
+        done = sqlite_target.run_subprocess("release", "browser/a", "--force", stdin="n\n")
         assert done.returncode == 1
         assert "Evict 'celery@w1:12:task-aaa'" in done.stderr
         assert store.get("browser/a").fence == held.fence

@@ -23,7 +23,7 @@ from celery_lease import LeaseBusyError, LeaseConfigError, LeaseStoreError, Owne
 from celery_lease.stores import store_from_url
 from celery_lease.stores.redis import RedisLeaseStore
 from celery_lease.stores.sql import TABLE_RIGHTS
-from tests.cli_helpers import one_line_error, run_lease
+from tests.cli_helpers import lease_here, one_line_error
 from tests.conftest import make_store, redis_admin, unique
 from tests.tooling.secure import (
     REDIS_ACL_COMMANDS,
@@ -303,17 +303,17 @@ class TestInitSchemaAndCheck:
         prefix = unique("cli")
         env = {"CLI_STORE": role.url, "CLI_PREFIX": prefix}
 
-        refused = run_lease("init-schema", env=env)  # as the role itself: may not create
+        refused = lease_here("init-schema", env=env)  # as the role itself: may not create
         assert refused.returncode == 2
         assert "may not create the lease tables" in one_line_error(refused)
 
-        made = run_lease("init-schema", "--url", role.admin_url, "--grant", role.name, env=env)
+        made = lease_here("init-schema", "--url", role.admin_url, "--grant", role.name, env=env)
         assert made.returncode == 0, made.stderr
         assert f"GRANT SELECT, INSERT, UPDATE ON {prefix}_leases TO {role.name}" in made.stdout
-        again = run_lease("init-schema", "--url", role.admin_url, "--grant", role.name, env=env)
+        again = lease_here("init-schema", "--url", role.admin_url, "--grant", role.name, env=env)
         assert again.returncode == 0, again.stderr  # idempotent
 
-        done = run_lease("check", "--json", "--strict", env=env)
+        done = lease_here("check", "--json", "--strict", env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         checked = json.loads(done.stdout)
         facts = checked["postgresql"]
@@ -325,18 +325,18 @@ class TestInitSchemaAndCheck:
         assert facts["table_rights"][f"{prefix}_ledger"] == "SELECT,INSERT,UPDATE,DELETE"
 
         run_as(role.admin_url, f"REVOKE DELETE ON {prefix}_ledger FROM {role.name}")
-        warned = run_lease("check", "--json", env=env)
+        warned = lease_here("check", "--json", env=env)
         assert warned.returncode == 0, warned.stderr
         (warning,) = json.loads(warned.stdout)["warnings"]
         assert f"lacks DELETE on {prefix}_ledger" in warning
         assert f"GRANT SELECT, INSERT, UPDATE, DELETE ON {prefix}_ledger TO {role.name}" in warning
-        strict = run_lease("check", "--strict", env=env)
+        strict = lease_here("check", "--strict", env=env)
         assert strict.returncode == 1
 
         # Without UPDATE on the lease table the write probe fails; the report still comes,
         # and names the right and the GRANT.
         run_as(role.admin_url, f"REVOKE UPDATE ON {prefix}_leases FROM {role.name}")
-        failed = run_lease("check", "--json", env=env)
+        failed = lease_here("check", "--json", env=env)
         assert failed.returncode == 1
         assert "write probe failed" in one_line_error(failed)
         report = json.loads(failed.stdout)
@@ -344,7 +344,7 @@ class TestInitSchemaAndCheck:
         assert not report["ok"] and grant in report["probe"]["failed"]
         assert any(f"UPDATE on {prefix}_leases" in w and grant in w for w in report["warnings"])
 
-        as_owner = run_lease("check", "--json", env={"CLI_STORE": role.admin_url,
+        as_owner = lease_here("check", "--json", env={"CLI_STORE": role.admin_url,
                                                     "CLI_PREFIX": prefix})  # fmt: skip
         assert any("superuser" in w for w in json.loads(as_owner.stdout)["warnings"])
 
@@ -352,7 +352,7 @@ class TestInitSchemaAndCheck:
         """Redis has no schema: init-schema prints the ACL line for the app's key prefix."""
         server = request.getfixturevalue("redis_server")
         prefix = unique("cli")
-        done = run_lease("init-schema", env={"CLI_STORE": server.url, "CLI_PREFIX": prefix})
+        done = lease_here("init-schema", env={"CLI_STORE": server.url, "CLI_PREFIX": prefix})
         assert done.returncode == 0, done.stderr
         assert f"resetkeys ~{prefix}:* resetchannels -@all +evalsha" in done.stdout
 

@@ -202,10 +202,10 @@ class TestCommand:
         fence = expire(store, "fragile/p1", "celery@w1:12:task-f")
         expire(store, "disposable/d1", "celery@w1:13:task-d")
 
-        dry = json.loads(target.run("sweep", "--dry-run", "--json").stdout)
+        dry = json.loads(target.run_subprocess("sweep", "--dry-run", "--json").stdout)
         assert sorted(dry["expired"]) == ["disposable/d1", "fragile/p1"]
 
-        done = target.run("sweep")
+        done = target.run_subprocess("sweep")
         assert done.returncode == 1
         warning, error = done.stderr.strip().splitlines()  # the log line, then the reason
         assert error == (
@@ -222,7 +222,7 @@ class TestCommand:
 
         (marks / "broken").unlink()
         wait_expired(store, "fragile/p1")
-        done = target.run("sweep", "--json")
+        done = target.run_subprocess("sweep", "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["reclaimed"] == ["fragile/p1"]
         holder, old_fence, new_fence = (marks / "fragile_p1").read_text().split()
