@@ -173,12 +173,15 @@ class Waiter:
     woken: bool  # woken less than the grace ago, not claimed yet (see 13 for whom it holds)
 
 
-#: Default cap on a resource's wait list; a refused claim beyond it waits with the back-off.
-#: Each refused claim and release reads and rewrites the list, on the Redis that is often the
-#: broker too: at 100, 16 executors on one counter ran 1.3x slower than with the back-off.
-DEFAULT_WAIT_CAP = 32
-#: Default seconds the free resource is held for a woken head waiter (then any claim may take
-#: it; the head keeps its place).
+#: Default cap on a resource's wait list; a refused claim beyond it waits with the back-off,
+#: which for a burst much larger than the cap left most tasks polling (200 tasks of 0.05 s:
+#: 28 s at 32 against 16 s at 256, 11 s for a dedicated queue). Each refused claim and release
+#: on a resource with waiters reads and rewrites its whole list (Redis: about 0.3 ms at 32
+#: waiters, 1-4 ms at 256 on a loaded 2-core box; SQL: the JSON column, payloads included):
+#: the cost grows with the list's length, see docs/performance.md.
+DEFAULT_WAIT_CAP = 256
+#: Default seconds the free resource is held for a woken waiter (then it is held for the
+#: waiter behind it; the late one keeps its place).
 DEFAULT_HANDOFF_GRACE = 2.0
 
 
