@@ -244,8 +244,9 @@ class TestPostgresLeastPrivilegeRole:
         assert role.password not in message
 
     def test_tables_of_an_earlier_version_are_upgraded_by_init_schema(self, request):
-        """Tables made before the wait list: the role may not add it and is told to run
-        init-schema as the owner, which adds it (and nothing else is needed)."""
+        """Tables made before the wait list: the role may not add it and is told which
+        columns are missing and to run init-schema as the owner, which adds them (and nothing
+        else is needed); not that it "may not create the lease tables", which are there."""
         role = request.getfixturevalue("postgres_role")
         table_prefix = unique("up") + "_"
         with owner_store(role, table_prefix) as owner:
@@ -257,13 +258,50 @@ class TestPostgresLeastPrivilegeRole:
             *(f"ALTER TABLE {leases} DROP COLUMN {c}"
               for c in ("waits", "wait_slow_us", "waits_expire_us")),
         )  # fmt: skip
-        with pytest.raises(
-            LeaseConfigError, match=f"init-schema --url OWNER_URL --grant {role.name}"
-        ):
+        with pytest.raises(LeaseConfigError) as caught:
             store_from_url(role.url, table_prefix=table_prefix)
+        message = str(caught.value)
+        assert f"{leases} was made by an earlier celery_lease" in message
+        assert "lacks the columns waits, wait_slow_us, waits_expire_us" in message
+        assert f"the role {role.name!r} may not add them (must be owner of table" in message
+        assert "as the tables' owner run `celery -A proj lease init-schema --url OWNER_URL`" in (
+            message
+        )
+        assert "may not create the lease tables" not in message
+        assert role.password not in message
         with owner_store(role, table_prefix):  # what init-schema does first
             pass
         exercise(role, table_prefix)
+
+    def test_with_create_tables_off_tables_of_an_earlier_version_fail_the_health_check(
+        self, request
+    ):
+        """The role's store made with create_tables=False on tables made before the wait
+        list: check_health() names the missing columns and init-schema (it found nothing
+        wrong, and every claim then failed with a raw "column does not exist")."""
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = unique("up") + "_"
+        with owner_store(role, table_prefix) as owner:
+            role.grant(owner)
+            leases = owner.leases_table.name
+        run_as(
+            role.admin_url,
+            f"DROP INDEX {leases}_waits",
+            *(f"ALTER TABLE {leases} DROP COLUMN {c}"
+              for c in ("waits", "wait_slow_us", "waits_expire_us")),
+        )  # fmt: skip
+        with store_from_url(role.url, table_prefix=table_prefix, create_tables=False) as store:
+            with pytest.raises(LeaseConfigError) as caught:
+                store.check_health()
+            message = str(caught.value)
+            assert "lacks the columns waits, wait_slow_us, waits_expire_us" in message
+            assert "init-schema --url OWNER_URL" in message and role.password not in message
+            with pytest.raises(LeaseConfigError, match="lacks the columns waits"):
+                store.acquire("r/a", Owner.new("role"), LONG)
+        with owner_store(role, table_prefix):
+            pass
+        with store_from_url(role.url, table_prefix=table_prefix, create_tables=False) as store:
+            assert store.check_health() == []
 
     @pytest.mark.parametrize(
         ("kind", "right"),

@@ -384,6 +384,9 @@ class LeaseStore(Protocol):
 
         Raises:
             LeaseStoreError: the store is unreachable, or refuses to run by its settings.
+            LeaseConfigError: what the store runs on is not what this version needs (SQL:
+                tables missing, or made by an earlier version without its columns); the
+                message names what is missing and the fix.
         """
         ...
 

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner
 from celery_lease.stores.sql.waits import load
-from tests.conftest import make_store
+from tests.conftest import make_store, unique
 from tests.tooling.servers import wait_for
 
 LONG = 30.0
@@ -433,3 +433,54 @@ class TestTablesOfAnEarlierVersion:
             assert claim(store, r, "a").fence > before.fence
         with store_from_url(url, table_prefix=table_prefix) as again:  # nothing left to add
             assert again.waiters(r) == []
+
+    def test_without_create_tables_the_missing_columns_and_the_fix_are_named(
+        self, kind, request, tmp_path, names
+    ):
+        """A store made with create_tables=False on tables of the version before the wait
+        list: check_health() and the first claim raise LeaseConfigError naming the three
+        missing columns and init-schema (they said nothing, and "no such column")."""
+        from celery_lease.stores import store_from_url
+
+        old = make_store(kind, request, tmp_path)
+        try:
+            _downgrade(old)
+        finally:
+            old.close()
+        table_prefix = old.leases_table.name.removesuffix("leases")
+        url = old.engine.url.render_as_string(hide_password=False)
+        r = names + "r"
+        with store_from_url(url, table_prefix=table_prefix, create_tables=False) as store:
+            for call in (store.check_health, lambda: store.acquire(r, Owner.new("a"), LONG)):
+                with pytest.raises(LeaseConfigError) as caught:
+                    call()
+                message = str(caught.value)
+                assert "lacks the columns waits, wait_slow_us, waits_expire_us" in message
+                assert "lease init-schema" in message and "keeps every lease" in message
+                assert "no such column" not in message and "does not exist" not in message
+                assert store.engine.url.password is None or store.engine.url.password not in (
+                    message
+                )
+        with store_from_url(url, table_prefix=table_prefix):  # what init-schema does
+            pass
+        with store_from_url(url, table_prefix=table_prefix, create_tables=False) as store:
+            assert all("lacks" not in w for w in store.check_health())
+            assert store.release(store.acquire(r, Owner.new("a"), LONG))
+
+    def test_without_create_tables_missing_tables_are_named(self, kind, request, tmp_path):
+        """create_tables=False where nobody made the tables: check_health() and the first
+        claim name the tables and init-schema (check_health passed, the claim said "no such
+        table" or "does not exist" as an outcome-unknown store error)."""
+        from celery_lease.stores import store_from_url
+
+        made = make_store(kind, request, tmp_path)  # (only for a URL on the same database)
+        url = made.engine.url.render_as_string(hide_password=False)
+        made.close()
+        table_prefix = f"{unique('none')}_"
+        with store_from_url(url, table_prefix=table_prefix, create_tables=False) as store:
+            for call in (store.check_health, lambda: store.acquire("r", Owner.new("a"), LONG)):
+                with pytest.raises(LeaseConfigError) as caught:
+                    call()
+                message = str(caught.value)
+                assert f"the lease tables {table_prefix}leases, {table_prefix}meta" in message
+                assert "do not exist" in message and "lease init-schema" in message

@@ -37,6 +37,7 @@ __all__ = [
     "one",
     "permission_denied",
     "rollback_quietly",
+    "undefined_object",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class Connections:
         self.grant_advice: Callable[[BaseException], str] = lambda exc: (
             "the GRANT statements of `celery lease init-schema --grant ROLE`"
         )
+        #: What is missing from the schema and how to add it, or None (the store sets it):
+        #: asked when a statement names a table or column the database does not have.
+        self.schema_problem: Callable[[], str | None] = lambda: None
 
     @contextmanager
     def translate(self, what: str, first_attempt: bool = True) -> Iterator[None]:
@@ -79,6 +83,12 @@ class Connections:
                     f"right the store needs: as the tables' owner run {self.grant_advice(exc)} "
                     "(nothing was changed)"
                 ) from exc
+            if undefined_object(exc):  # tables of an earlier version, or none at all
+                problem = self._schema_problem()
+                if problem is not None:
+                    raise LeaseConfigError(
+                        f"SQL lease store {self.url} failed during {what}: {problem}"
+                    ) from exc
             first = str(exc).splitlines()[0] if str(exc) else ""
             # A refusal on a retry follows a dropped connection that may have run the statement.
             if first_attempt and connection_refused(exc):
@@ -92,6 +102,12 @@ class Connections:
                 f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
                 f"{first}; the outcome is unknown"
             ) from exc
+
+    def _schema_problem(self) -> str | None:
+        try:
+            return self.schema_problem()
+        except LeaseStoreError:  # the catalog could not be read: report the first error
+            return None
 
     def run(
         self, what: str, work: Callable[[Any], T], free: FreeList[Connection] | None = None
@@ -287,6 +303,16 @@ def permission_denied(exc: BaseException) -> bool:
     """PostgreSQL refused a statement for a missing right (SQLSTATE 42501)."""
     orig = getattr(exc, "orig", exc)
     return getattr(orig, "sqlstate", None) == "42501"
+
+
+def undefined_object(exc: BaseException) -> bool:
+    """A statement named a table or column the database does not have (PostgreSQL SQLSTATE
+    42P01 or 42703; SQLite says "no such table" or "no such column")."""
+    orig = getattr(exc, "orig", exc)
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate is not None:
+        return sqlstate in ("42P01", "42703")
+    return str(orig).startswith(("no such table", "no such column"))
 
 
 def first_line(exc: BaseException) -> str:

@@ -23,7 +23,15 @@ from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._names import show_value
 from .connection import Connections, first_line, permission_denied
 
-__all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "create_tables", "grant_statements", "tables"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "TABLE_RIGHTS",
+    "create_tables",
+    "grant_statements",
+    "missing",
+    "schema_problem",
+    "tables",
+]
 
 SCHEMA_VERSION = 1
 #: The rights the store's role needs on each of its tables (by kind), and nothing more: lease
@@ -93,6 +101,15 @@ def create_tables(
         except SQLAlchemyError as exc:  # another process created them at the same time
             if permission_denied(exc):  # ... or this role may not: retrying cannot help
                 role = connections.engine.url.username or "?"
+                # Tables an earlier version made, short of what this one adds: say so, not
+                # "may not create the lease tables" (they are there; only the owner may alter).
+                with connections.translate("schema check"), connections.engine.connect() as c:
+                    absent, columns = missing(c, tables)
+                if columns and not absent:
+                    upgrade = _lacks_columns(connections, tables, columns, first_line(exc))
+                    raise LeaseConfigError(
+                        f"SQL lease store {connections.url}: {upgrade}"
+                    ) from None
                 raise LeaseConfigError(
                     f"the role {role!r} of {connections.url} may not create the lease tables "
                     f"({first_line(exc)}): create them beforehand as their owner with "
@@ -122,6 +139,73 @@ def create_tables(
             f"the lease tables in {connections.url} have schema version {found}, newer than this "
             f"celery_lease ({SCHEMA_VERSION}); upgrade celery_lease"
         )
+
+
+def missing(conn: sa.Connection, tables: dict[str, sa.Table]) -> tuple[list[str], list[str]]:
+    """What this version needs and the database lacks: the names of the store's tables that
+    are not there, and of the lease table's columns that are not (none when it is missing)."""
+    inspector = sa.inspect(conn)
+    absent = [table.name for table in tables.values() if not inspector.has_table(table.name)]
+    leases = tables["leases"]
+    if leases.name in absent:
+        return absent, []
+    have = {column["name"] for column in inspector.get_columns(leases.name)}
+    return absent, [column.name for column in leases.columns if column.name not in have]
+
+
+def schema_problem(connections: Connections, tables: dict[str, sa.Table]) -> str | None:
+    """Why the store cannot run on the tables it finds, and the fix; None when nothing it
+    needs is missing.
+
+    Raises:
+        LeaseStoreError: the catalog could not be read (the database is unreachable).
+    """
+    with connections.translate("schema check"), connections.engine.connect() as conn:
+        absent, columns = missing(conn, tables)
+    if absent:
+        return (
+            f"the lease tables {', '.join(absent)} do not exist: {_fix(connections)} to create them"
+        )
+    if columns:
+        return _lacks_columns(connections, tables, columns)
+    return None
+
+
+def _fix(connections: Connections, grant: bool = True) -> str:
+    """How to create or upgrade the tables: as their owner on PostgreSQL."""
+    if connections.dialect != "postgresql":
+        return (
+            "run `celery -A proj lease init-schema` (or SQLLeaseStore(url=...).create_tables(), "
+            "or make the store with create_tables=True)"
+        )
+    role = connections.engine.url.username
+    to = f" --grant {role}" if grant and role else ""
+    return (
+        f"as the tables' owner run `celery -A proj lease init-schema --url OWNER_URL{to}` "
+        "(or SQLLeaseStore(url=OWNER_URL).create_tables())"
+    )
+
+
+def _lacks_columns(
+    connections: Connections,
+    tables: dict[str, sa.Table],
+    columns: list[str],
+    refused: str | None = None,
+) -> str:
+    """The lease table lacks ``columns``; ``refused``: the driver's refusal when this role
+    tried to add them."""
+    role = connections.engine.url.username
+    what = "the hand-off wait list" if set(columns) <= WAIT_COLUMNS else "added since"
+    why = f"; the role {role or '?'!r} may not add them ({refused})" if refused else ""
+    rights = " (the store's role needs no new right)" if connections.dialect == "postgresql" else ""
+    return (
+        f"the lease table {tables['leases'].name} was made by an earlier celery_lease and lacks "
+        f"the column{'s' if len(columns) > 1 else ''} {', '.join(columns)} ({what}){why}: "
+        f"{_fix(connections, grant=False)} to add them, which keeps every lease and fence{rights}"
+    )
+
+
+WAIT_COLUMNS = frozenset({"waits", "wait_slow_us", "waits_expire_us"})
 
 
 def wait_columns() -> list[sa.Column[Any]]:

@@ -134,6 +134,9 @@ class SQLLeaseStore(BaseLeaseStore):
         self._connections.grant_advice = lambda exc: schema.grant_advice(
             quote, self.tables, engine.url.username, exc
         )
+        self._connections.schema_problem = lambda: schema.schema_problem(
+            self._connections, self.tables
+        )
         if create_tables:
             try:
                 self.create_tables()
@@ -543,6 +546,11 @@ class SQLLeaseStore(BaseLeaseStore):
 
     def check_health(self) -> builtins.list[str]:
         self._connections.run("health check", lambda c: fetch(c, "SELECT 1", {}))
+        # Tables of an earlier version (a store made with create_tables=False, or a role that
+        # may not alter them, before their owner upgraded them) fail every claim: say so now.
+        problem = schema.schema_problem(self._connections, self.tables)
+        if problem is not None:
+            raise LeaseConfigError(f"SQL lease store {self.url}: {problem}")
         warnings = []
         if self.dialect == "sqlite":
             warnings.append(
