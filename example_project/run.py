@@ -69,8 +69,8 @@ class Demo:
 
     # -- workers -----------------------------------------------------------------------------
     def start_worker(self) -> str:
-
         name = next(self._names)
+        self.declare_queues(name)
         log = (self.data / f"{name}.log").open("wb")
         _held["holding"] = 1
         try:
@@ -81,6 +81,23 @@ class Demo:
         if _held["signum"] is not None:
             raise Interrupted(_held["signum"])
         return name
+
+    def declare_queues(self, name: str) -> None:
+        """Create the queues worker ``name`` consumes in the broker, before it starts.
+
+        kombu's SQLAlchemy transport creates a queue's row on first use by a SELECT and then an
+        INSERT, guarded only inside one process: a worker declaring its queue at start while
+        this process sends the first message to it (or the other worker declares the shared
+        queue) could lose that race to "UNIQUE constraint failed: kombu_queue.name", which
+        killed the worker. Declared here first, one process at a time, every later use finds
+        the row (and the broker's tables exist before any worker opens them).
+        """
+        from example_project.proj.celery import app
+
+        with app.connection_for_write() as connection:
+            channel = connection.default_channel
+            for queue in (app.conf.task_default_queue, self.queue(name)):
+                channel.queue_declare(queue=queue, durable=True, auto_delete=False)
 
     def _popen(self, name: str, log: Any) -> subprocess.Popen[bytes]:
         from example_project.proj.celery import app
@@ -246,15 +263,22 @@ def worker_paused(demo: Demo) -> None:
     )
 
 
+#: The embedded SQLite files a frozen worker could keep locked: the broker, the results, the
+#: leases, and the gateway's own tables (the world the tasks act on).
+SQLITE_FILES = ("broker.db", "results.db", "leases.db", "world.db")
+
+
 def pause_holding_no_sqlite_lock(pid: int, timeout: float = 30.0) -> None:
     """SIGSTOP ``pid`` at a moment it holds no lock on the embedded SQLite files.
 
-    A threads-pool worker frozen in the middle of a broker poll or a renewal would keep the
-    file locked, and nothing else could send a message or claim until it woke: a demo
-    artefact of the single-file embedded default, not what the scenario shows. So pause, try
-    to lock each file, and if one is held, let the worker go on a moment and pause again.
+    A threads-pool worker frozen in the middle of a broker poll, a renewal or a gateway write
+    would keep the file locked, and nothing else could send a message, claim or act until it
+    woke: a demo artefact of the single-file embedded default, not what the scenario shows
+    (the other worker's first gateway write would wait out SQLite's 30 s and fail with
+    "database is locked"). So pause, try to lock each file, and if one is held, let the
+    worker go on a moment and pause again.
     """
-    files = [Path(os.environ["EXAMPLE_DATA"], n) for n in ("broker.db", "results.db", "leases.db")]
+    files = [Path(os.environ["EXAMPLE_DATA"], n) for n in SQLITE_FILES]
     deadline = time.monotonic() + timeout
     while True:
         os.kill(pid, signal.SIGSTOP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -63,7 +64,8 @@ def test_the_demo_injects_every_failure_and_every_invariant_holds(tmp_path):
     each figure checked against the gateway's tables counted again here."""
     world = tmp_path / "world.db"
     done = _run("example_project.run", "--keep-world", str(world))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # (stderr: both worker logs' last lines and the demo's traceback when it broke off)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     out = done.stdout
     for line in ("worker crash", "paused past its ttl", "slow model", "duplicate", "hot resource"):
         assert line in out
@@ -113,6 +115,83 @@ def test_with_the_gateway_s_fence_check_off_the_evidence_follows_the_tables(tmp_
     assert _figure(done.stdout, "stale writes accepted") == stale, done.stdout
     assert done.returncode == (1 if stale else 0), done.stdout[-4000:] + done.stderr[-4000:]
     assert ("INVARIANT FAILED" in done.stdout) == bool(stale)
+
+
+#: A worker's thread inside a gateway write (Gateway.write: BEGIN IMMEDIATE ... COMMIT on the
+#: gateway's WAL file), held for a second, then idle: argv is the file and a ready marker.
+IN_A_GATEWAY_WRITE = """
+import pathlib, sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], timeout=30, isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("CREATE TABLE IF NOT EXISTS writes (id INTEGER PRIMARY KEY AUTOINCREMENT, what TEXT)")
+db.execute("BEGIN IMMEDIATE")
+db.execute("INSERT INTO writes (what) VALUES ('page 0')")
+pathlib.Path(sys.argv[2]).touch()
+time.sleep(1.0)
+db.execute("COMMIT")
+time.sleep(600)
+"""
+
+
+def test_the_pause_never_freezes_a_worker_inside_a_gateway_write(tmp_path, monkeypatch):
+    """The paused scenario freezes a worker when it holds no lock on the embedded SQLite
+    files, the gateway's included: frozen inside a gateway write, it kept the gateway's write
+    lock, and the other worker's first write waited out SQLite's 30 s and failed with
+    "database is locked", so the demo broke off (the CI flake of the negative control)."""
+    from example_project.run import _locked, pause_holding_no_sqlite_lock
+
+    monkeypatch.setenv("EXAMPLE_DATA", str(tmp_path))
+    world, ready = tmp_path / "world.db", tmp_path / "ready"
+    writer = subprocess.Popen([sys.executable, "-c", IN_A_GATEWAY_WRITE, str(world), str(ready)])
+    try:
+        wait_for(ready.exists, timeout=30, what="the writer to hold the gateway's write lock")
+        pause_holding_no_sqlite_lock(writer.pid)
+        try:
+            assert not _locked(world), "paused holding the gateway's write lock"
+        finally:
+            os.kill(writer.pid, signal.SIGCONT)
+    finally:
+        writer.kill()  # (this test's own child)
+        writer.wait()
+
+
+#: Starts one demo worker (argv: the data dir) and prints, at once, the queues the broker has.
+START_ONE_WORKER = """
+import json, os, sqlite3, sys
+from pathlib import Path
+os.environ["EXAMPLE_DATA"] = sys.argv[1]
+from example_project.run import Demo
+demo = Demo(Path(sys.argv[1]))
+try:
+    name = demo.start_worker()
+    broker = Path(sys.argv[1], "broker.db")
+    names = []
+    if broker.exists():
+        with sqlite3.connect(broker) as db:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'kombu_queue'").fetchone():
+                names = sorted(r[0] for r in db.execute("SELECT name FROM kombu_queue"))
+    print(json.dumps({"worker": name, "queues": names}))
+finally:
+    demo.stop_all()
+"""
+
+
+def test_the_demo_creates_a_worker_s_queues_in_the_broker_before_the_worker_starts(tmp_path):
+    """kombu's SQLAlchemy transport makes a queue's row by SELECT then INSERT, guarded only
+    inside one process: a worker declaring its own queue at start while the demo sent the
+    first message to it died of "UNIQUE constraint failed: kombu_queue.name" (seen in 1 of
+    20 runs of the paused scenario under load). The demo declares them first, alone."""
+    done = subprocess.run(
+        [sys.executable, "-c", START_ONE_WORKER, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    started = json.loads(done.stdout.splitlines()[-1])
+    assert started["queues"] == ["celery", f"celery-{started['worker']}"], done.stderr
 
 
 def _db(url: str, number: int) -> str:
