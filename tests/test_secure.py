@@ -303,6 +303,29 @@ class TestPostgresLeastPrivilegeRole:
         with store_from_url(role.url, table_prefix=table_prefix, create_tables=False) as store:
             assert store.check_health() == []
 
+    def test_without_the_wait_list_functions_the_role_still_runs(self, request):
+        """The role may not create the wait-list functions: while they are missing (tables
+        of an earlier version) it claims with the one-statement forms, needing no new right;
+        once init-schema (the owner's store) made them, the role's store calls them."""
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = unique("fn") + "_"
+        with owner_store(role, table_prefix) as owner:
+            role.grant(owner)
+            signatures = owner.sql.functions.signatures
+        run_as(role.admin_url, *(f"DROP FUNCTION {signature}" for signature in signatures))
+        with store_from_url(role.url, table_prefix=table_prefix) as store:
+            assert store.sql.acquire_raw is store.sql.inline_raw[0]  # (it could not make them)
+        exercise(role, table_prefix)
+        with owner_store(role, table_prefix):  # what init-schema does first
+            pass
+        with store_from_url(role.url, table_prefix=table_prefix) as store:
+            assert store.sql.acquire_raw is store.sql.fast_raw[0]
+            holder = store.acquire("r/f", Owner.new("role"), LONG, identity="job-4")
+            with pytest.raises(LeaseBusyError) as busy:  # joins, through the function
+                store.acquire("r/f", Owner.new("role"), LONG, identity="job-5", wait="wake-5")
+            assert busy.value.position == 1
+            assert store.release(holder, outcome="done") and holder.handoff == "wake-5"
+
     @pytest.mark.parametrize(
         ("kind", "right"),
         [(kind, right) for kind, rights in TABLE_RIGHTS.items() for right in rights],

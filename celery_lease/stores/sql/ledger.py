@@ -104,8 +104,7 @@ def release_outcome(
     the payload of the waiter it woke."""
     params = {**params, "ret": retention_us}
     if db.dialect == "postgresql":
-        released, _, wake = wait_sql.fetch(cursor, ledger.release_outcome_raw, params)
-        return int(released), wake
+        return wait_sql.released(wait_sql.fetch(cursor, ledger.release_outcome_raw, params))
     with db.immediate(cursor):
         cursor.execute(ledger.ident_outcome, params)
         return waits.release_sqlite(cursor, sql, params)

@@ -27,7 +27,13 @@ class LedgerStatements:
     """SQL text for one dialect and set of tables, built once per store."""
 
     def __init__(
-        self, dialect: str, now: str, paramstyle: str, tables: dict[str, str], claim_upsert: str
+        self,
+        dialect: str,
+        now: str,
+        paramstyle: str,
+        tables: dict[str, str],
+        claim_upsert: str,
+        functions: wait_sql.Functions | None = None,
     ) -> None:
         def p(name: str) -> str:
             return f"%({name})s" if paramstyle == "pyformat" else f":{name}"
@@ -135,6 +141,7 @@ class LedgerStatements:
             )
             return
         # PostgreSQL: one statement per operation.
+        assert functions is not None
         claim = claim_upsert.format(
             source=f"""SELECT {p("r")}, {p("t")}, {p("l")}, 1, clk.us, clk.us + {p("ttl")}
                 FROM clk WHERE NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done')"""
@@ -188,8 +195,57 @@ class LedgerStatements:
                 RETURNING {wait_sql.release_wake(p)} AS wake)
             SELECT (SELECT count(*) FROM rel), (SELECT count(*) FROM upd),
                    (SELECT max(wake) FROM rel)"""
-        self.acquire_raw = wait_sql.raw(self.acquire)
-        self.release_outcome_raw = wait_sql.raw(self.release_outcome)
+        # The same through the wait-list functions (see Statements.acquire_fast): the settling
+        # read still takes the row only as the snapshot saw it (the function checks ``was``).
+        settle = wait_sql.settle_call(
+            functions.settle,
+            p,
+            "(SELECT o.fence FROM old_ident AS o WHERE o.state = 'running')",
+            ("(SELECT w.fence FROM was AS w)", "(SELECT w.owner_token FROM was AS w)", "true"),
+        )
+        self.acquire_fast = f"""
+            WITH clk AS (SELECT {now} AS us),
+            old_ident AS ({self.ident_read}),
+            was AS (SELECT fence, owner_token FROM {t} WHERE resource = {p("r")}),
+            claim AS ({claim}),
+            s AS (
+                SELECT * FROM {settle}
+                WHERE NOT EXISTS (SELECT 1 FROM claim)
+                  AND NOT EXISTS (SELECT 1 FROM old_ident WHERE state = 'done')),
+            claimed AS (
+                SELECT * FROM claim
+                UNION ALL
+                SELECT o_fence, o_acquired, o_expires, o_prev_label, o_prev_fence
+                FROM s WHERE o_took),
+            mark AS ({
+            mark.format(
+                source=f'''
+                SELECT {p("r")}, {p("i")}, 'running', claimed.fence, {p("t")}, {p("l")},
+                       (SELECT o.state || chr(10) || o.fence || chr(10) || o.owner_label
+                        FROM old_ident AS o),
+                       clk.us + {p("ret")}
+                FROM claimed, clk'''
+            )
+        } RETURNING 1)
+            SELECT (SELECT count(*) FROM claimed), (SELECT count(*) FROM mark),
+                   c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
+                   h.o_token, h.o_label, h.o_hfence, h.o_hacquired, h.o_hexpires,
+                   o.state, o.fence, o.owner_label, o.result,
+                   ({self.ckpt_read}), (SELECT us FROM clk), h.o_hprev_label, h.o_hprev_fence,
+                   coalesce(h.o_position, 0), h.o_wake, h.o_hold, h.o_hold_until
+            FROM (SELECT 1) AS one
+            LEFT JOIN claimed AS c ON true
+            LEFT JOIN s AS h ON NOT h.o_took
+            LEFT JOIN old_ident AS o ON true"""
+        self.release_outcome_fast = f"""
+            WITH upd AS ({self.ident_outcome})
+            UPDATE {t} SET owner_token = NULL, prev_label = NULL, prev_fence = NULL
+            WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+            RETURNING CASE WHEN waits IS NULL THEN NULL
+                ELSE {functions.hand_off}(resource, {p("grace")}::bigint) END"""
+        self.inline_raw = (wait_sql.raw(self.acquire), wait_sql.raw(self.release_outcome))
+        self.fast_raw = (wait_sql.raw(self.acquire_fast), wait_sql.raw(self.release_outcome_fast))
+        self.use_functions(False)
         self.effect_begin = f"""
             WITH clk AS (SELECT {now} AS us),
             live AS ({live}),
@@ -216,3 +272,7 @@ class LedgerStatements:
             )
         } RETURNING 1)
             SELECT (SELECT count(*) FROM live), (SELECT count(*) FROM up)"""
+
+    def use_functions(self, available: bool) -> None:
+        """PostgreSQL: as :meth:`.Statements.use_functions`."""
+        self.acquire_raw, self.release_outcome_raw = self.fast_raw if available else self.inline_raw

@@ -31,6 +31,7 @@ __all__ = [
     "missing",
     "schema_problem",
     "tables",
+    "wait_functions",
 ]
 
 SCHEMA_VERSION = 1
@@ -206,6 +207,42 @@ def _lacks_columns(
 
 
 WAIT_COLUMNS = frozenset({"waits", "wait_slow_us", "waits_expire_us"})
+
+
+def wait_functions(connections: Connections, functions: Any, leases: str, *, create: bool) -> bool:
+    """Whether this role can call the wait-list functions of this version (PostgreSQL), making
+    them first when missing and ``create`` (as :func:`create_tables`, under the advisory lock).
+
+    A role that may not create them (the least-privilege role: it needs no right for this)
+    gets ``False``, and the store claims with the whole logic in each statement instead,
+    until the tables' owner creates them (``init-schema``, or a store made by the owner).
+    """
+    # each function: whether it exists, and whether this role may execute it
+    check = sa.text(
+        "SELECT to_regprocedure(f) IS NOT NULL, "
+        "coalesce(has_function_privilege(to_regprocedure(f), 'EXECUTE'), false) "
+        "FROM unnest(CAST(:f AS text[])) WITH ORDINALITY AS s(f, n) ORDER BY n"
+    )
+    signatures = {"f": list(functions.signatures)}
+    lock_key = zlib.crc32(f"celery_lease schema {leases}".encode())
+    with connections.translate("wait-list function check"):
+        try:
+            with connections.engine.begin() as conn:
+                found = conn.execute(check, signatures).all()
+                if all(usable for _, usable in found) or not create:
+                    return all(usable for _, usable in found)
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
+                found = conn.execute(check, signatures).all()  # (another may have made them)
+                # another version's SQL has other names: only the missing ones are made
+                for ddl, (exists, _) in zip(functions.ddl, found, strict=True):
+                    if not exists:
+                        conn.exec_driver_sql(ddl)
+                found = conn.execute(check, signatures).all()
+        except SQLAlchemyError as exc:
+            if not permission_denied(exc):
+                raise
+            return False
+    return all(usable for _, usable in found)
 
 
 def wait_columns() -> list[sa.Column[Any]]:

@@ -10,6 +10,7 @@ bound parameters only; the table name is quoted by SQLAlchemy's dialect before i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from . import wait_statements as wait_sql
@@ -25,7 +26,15 @@ _NOW = {
 class Statements:
     """SQL text for one dialect and table, built once per store."""
 
-    def __init__(self, dialect: str, table: str, paramstyle: str, gate_table: str) -> None:
+    def __init__(
+        self,
+        dialect: str,
+        table: str,
+        paramstyle: str,
+        gate_table: str,
+        prefix: str = "celery_lease_",
+        quote: Callable[[str], str] = lambda name: f'"{name}"',
+    ) -> None:
         self.dialect = dialect
         self.table = table
         now = _NOW[dialect]
@@ -85,8 +94,34 @@ class Statements:
                       AND u.fence = {p("f")}
                     RETURNING {wait_sql.release_wake(p)} AS wake)
                 SELECT count(*), max(wake) FROM rel"""
-            self.acquire_raw = wait_sql.raw(self.acquire)
-            self.release_raw = wait_sql.raw(self.release_wake)
+            # The same with the settling steps in functions (see .wait_statements): the claim
+            # is the bare upsert plus a call made only when it refused, the release the bare
+            # UPDATE plus a call made only when somebody waits (one row when it released).
+            fn = self.functions = wait_sql.functions(t, prefix, now, quote)
+            settle = wait_sql.settle_call(fn.settle, p, "NULL", ("NULL", "NULL", "false"))
+            self.acquire_fast = f"""
+                WITH clk AS (SELECT {now} AS us),
+                claim AS ({claim})
+                SELECT 1, 1, fence, acquired_us, expires_us, prev_label, prev_fence,
+                       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                       acquired_us, NULL, NULL, 0, NULL, NULL, NULL
+                FROM claim
+                UNION ALL
+                SELECT s.o_took::int, s.o_took::int, s.o_fence, s.o_acquired, s.o_expires,
+                       s.o_prev_label, s.o_prev_fence, s.o_token, s.o_label, s.o_hfence,
+                       s.o_hacquired, s.o_hexpires, NULL, NULL, NULL, NULL, NULL,
+                       (SELECT us FROM clk), s.o_hprev_label, s.o_hprev_fence, s.o_position,
+                       s.o_wake, s.o_hold, s.o_hold_until
+                FROM {settle}
+                WHERE NOT EXISTS (SELECT 1 FROM claim)"""
+            self.release_fast = f"""
+                UPDATE {t} SET owner_token = NULL, prev_label = NULL, prev_fence = NULL
+                WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+                RETURNING CASE WHEN waits IS NULL THEN NULL
+                    ELSE {fn.hand_off}(resource, {p("grace")}::bigint) END"""
+            self.inline_raw = (wait_sql.raw(self.acquire), wait_sql.raw(self.release_wake))
+            self.fast_raw = (wait_sql.raw(self.acquire_fast), wait_sql.raw(self.release_fast))
+            self.use_functions(False)
         else:
             self.acquire = upsert.format(
                 source=f"SELECT {p('r')}, {p('t')}, {p('l')}, 1, n.us, n.us + {p('ttl')} "
@@ -193,6 +228,11 @@ class Statements:
                 WHERE key = {p("k")} AND NOT EXISTS (SELECT 1 FROM up)"""
         else:
             self.gate_admit = gate_upsert
+
+    def use_functions(self, available: bool) -> None:
+        """PostgreSQL: claim and release through the wait-list functions (when the database
+        has them), or with the whole settling in each statement."""
+        self.acquire_raw, self.release_raw = self.fast_raw if available else self.inline_raw
 
     @lru_cache(maxsize=64)  # noqa: B019 - one Statements per store, a handful of batch sizes
     def renew_many(self, count: int) -> str:

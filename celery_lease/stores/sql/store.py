@@ -126,10 +126,15 @@ class SQLLeaseStore(BaseLeaseStore):
         quote = engine.dialect.identifier_preparer.quote
         names = {kind: quote(table.name) for kind, table in self.tables.items()}
         self.sql = stmts.Statements(
-            self.dialect, names["leases"], self._paramstyle(), names["gate"]
+            self.dialect, names["leases"], self._paramstyle(), names["gate"], table_prefix, quote
         )
         self.ledger_sql = LedgerStatements(
-            self.dialect, self.sql.now, self._paramstyle(), names, self.sql.claim_upsert
+            self.dialect,
+            self.sql.now,
+            self._paramstyle(),
+            names,
+            self.sql.claim_upsert,
+            getattr(self.sql, "functions", None),
         )
         self._connections.grant_advice = lambda exc: schema.grant_advice(
             quote, self.tables, engine.url.username, exc
@@ -137,6 +142,9 @@ class SQLLeaseStore(BaseLeaseStore):
         self._connections.schema_problem = lambda: schema.schema_problem(
             self._connections, self.tables
         )
+        # PostgreSQL: whether the wait-list functions are there is found out by create_tables,
+        # else before the first claim or release (a store makes no I/O when it is built).
+        self._functions_known = self.dialect != "postgresql"
         if create_tables:
             try:
                 self.create_tables()
@@ -148,8 +156,24 @@ class SQLLeaseStore(BaseLeaseStore):
         return "pyformat" if self.dialect == "postgresql" else "named"
 
     def create_tables(self) -> None:
-        """Create the tables and the schema version row if missing; check the version."""
+        """Create the tables and the schema version row if missing; check the version.
+
+        On PostgreSQL also create the wait-list functions of this version when missing and this
+        role may (see :mod:`.wait_statements`); without them claims and releases still work,
+        each carrying the whole wait-list logic (more server CPU per call).
+        """
         schema.create_tables(self._connections, self.metadata, self.tables)
+        self._use_functions(create=True)
+
+    def _use_functions(self, *, create: bool) -> None:
+        if self.dialect != "postgresql":
+            return
+        available = schema.wait_functions(
+            self._connections, self.sql.functions, self.leases_table.name, create=create
+        )
+        self.sql.use_functions(available)
+        self.ledger_sql.use_functions(available)
+        self._functions_known = True
 
     def grant_statements(self, role: str) -> builtins.list[str]:
         """The ``GRANT`` statements that give ``role`` what the store needs, and no more.
@@ -192,6 +216,8 @@ class SQLLeaseStore(BaseLeaseStore):
             "grace": max(1, round(self.handoff_grace * 1e6)),
         }
         claim = self._claim if identity is None else self._claim_identity
+        if not self._functions_known:
+            self._use_functions(create=False)
         for _ in range(3):
             sent = monotonic()
             row = self._connections.run(f"acquire of {resource!r}", lambda c: claim(c, params))
@@ -377,6 +403,8 @@ class SQLLeaseStore(BaseLeaseStore):
 
         params["grace"] = max(1, round(self.handoff_grace * 1e6))
         lease.handoff = None
+        if not self._functions_known:
+            self._use_functions(create=False)
 
         def work(cursor: Any) -> tuple[int, str | None]:
             if outcome is not None:
@@ -394,8 +422,7 @@ class SQLLeaseStore(BaseLeaseStore):
                     self._retention_us,
                 )
             if self.dialect == "postgresql":
-                released, wake = wait_sql.fetch(cursor, self.sql.release_raw, params)
-                return int(released), wake
+                return wait_sql.released(wait_sql.fetch(cursor, self.sql.release_raw, params))
             with self._connections.immediate(cursor):
                 return waits.release_sqlite(cursor, self.sql, params)
 

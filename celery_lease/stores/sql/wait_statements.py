@@ -9,6 +9,14 @@ against claims listed behind it), or refuses and joins the list and wakes the wa
 if nobody woke it, writing the row back once. The release rewrites the list in the same ``UPDATE``
 that frees the row (only when there is one) and returns the woken waiter's payload.
 
+PostgreSQL sets up every node of a statement's plan before it runs any (the settling CTEs of a
+claim nobody waits for are never executed, but were initialised on every call: about half the
+server CPU of a free claim). So where the store may, those steps live in two PL/pgSQL functions
+(:func:`functions`) that a claim calls only when its upsert refused and a release only when
+the row has a list: the common claim and release are then the bare upsert and ``UPDATE`` again.
+The functions run the same SQL as the one-statement forms (same snapshot rules: the settling
+read is ``FOR UPDATE``), which stay as the fallback for a database without them.
+
 Parameters: ``r`` resource, ``t`` owner token, ``l`` label, ``ttl`` (us), ``i`` identity or
 NULL, ``w`` wake payload or NULL, ``wttl`` how long a place is kept (us), ``cap`` wait list cap,
 ``grace`` hand-off grace (us). A waiter is ``[identity, since, expires, woken_until, payload]``.
@@ -17,17 +25,23 @@ NULL, ``w`` wake payload or NULL, ``wttl`` how long a place is kept (us), ``cap`
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
+    "SETTLE_ARGS",
+    "Functions",
     "Raw",
     "claim_settle",
     "fetch",
+    "functions",
     "hand_off_columns",
     "raw",
     "release_columns",
     "release_wake",
+    "released",
+    "settle_call",
 ]
 
 
@@ -182,6 +196,130 @@ def release_wake(p: Callable[[str], str]) -> str:
     """The RETURNING item of that release: the payload of the waiter it woke, or NULL."""
     return f"""(SELECT x.e->>4 FROM jsonb_array_elements(u.waits) AS x(e)
                     WHERE (x.e->>3)::bigint = clk.us + {p("grace")}::bigint LIMIT 1)"""
+
+
+#: The settling function's parameters, in order (``p_<name>`` in its body): the claim's
+#: parameters, the statement's clock, the fence of this identity's running record (NULL: none),
+#: and the lease row's fence and holder as the claim's snapshot saw them, which the settling
+#: read must find unchanged when ``check_was`` (the identity claim, see fbfe5cf).
+SETTLE_ARGS = (
+    ("r", "varchar"),
+    ("t", "varchar"),
+    ("l", "varchar"),
+    ("ttl", "bigint"),
+    ("i", "varchar"),
+    ("w", "text"),
+    ("wttl", "bigint"),
+    ("cap", "bigint"),
+    ("grace", "bigint"),
+    ("now", "bigint"),
+    ("running", "bigint"),
+    ("was_fence", "bigint"),
+    ("was_token", "varchar"),
+    ("check_was", "boolean"),
+)
+#: What the settling function returns (as ``SETOF record``, shaped by :func:`settle_call`): the
+#: new lease (``took``), then the lease row as it stood, then :func:`hand_off_columns`.
+SETTLE_COLUMNS = (
+    "o_took boolean, o_fence bigint, o_acquired bigint, o_expires bigint, "
+    "o_prev_label varchar, o_prev_fence bigint, o_token varchar, o_label varchar, "
+    "o_hfence bigint, o_hacquired bigint, o_hexpires bigint, o_hprev_label varchar, "
+    "o_hprev_fence bigint, o_position bigint, o_wake text, o_hold text, o_hold_until bigint"
+)
+
+
+class Functions(NamedTuple):
+    """The two PL/pgSQL functions of one lease table (names quoted, with their DDL)."""
+
+    settle: str  # settle(SETTLE_ARGS): a refused claim, settled on the locked row
+    hand_off: str  # hand_off(resource, grace): the list rewrite of a release, the woken payload
+    signatures: tuple[str, ...]  # for to_regprocedure(), one per function
+    ddl: tuple[str, ...]  # CREATE FUNCTION statements
+
+
+def functions(t: str, prefix: str, now: str, quote: Callable[[str], str]) -> Functions:
+    """The functions for table ``t`` (quoted), named ``<prefix>settle_<crc>`` and
+    ``<prefix>hand_off_<crc>``, ``<crc>`` a checksum of their body: a version whose SQL differs
+    uses (and creates) its own, and never runs another version's."""
+
+    def v(name: str) -> str:
+        return f"p_{name}"
+
+    settle_body = f"""
+        BEGIN
+          RETURN QUERY
+            WITH clk AS (SELECT p_now AS us),
+            claim AS (SELECT NULL::bigint AS fence, NULL::bigint AS acquired_us,
+                NULL::bigint AS expires_us, NULL::varchar AS prev_label,
+                NULL::bigint AS prev_fence WHERE false),{
+        claim_settle(
+            t,
+            v,
+            "dec.fence IS NOT DISTINCT FROM p_running",
+            "(NOT p_check_was OR (fence = p_was_fence "
+            "AND owner_token IS NOT DISTINCT FROM p_was_token))",
+        )
+    }
+            SELECT coalesce(k.took, false), k.fence, k.acquired_us, k.expires_us,
+                   k.prev_label, k.prev_fence, h.owner_token, h.owner_label, h.fence,
+                   h.acquired_us, h.expires_us, h.prev_label, h.prev_fence,{hand_off_columns(v)}
+            FROM nl AS h LEFT JOIN take AS k ON true;
+        END"""
+    hand_off_body = f"""
+        DECLARE
+          v_wake text;
+        BEGIN
+          WITH clk AS (SELECT {now} AS us)
+          UPDATE {t} AS u SET{release_columns(v)}
+          FROM clk WHERE u.resource = p_r
+          RETURNING {release_wake(v)} INTO v_wake;
+          RETURN v_wake;
+        END"""
+    settle_body = " ".join(settle_body.split())
+    hand_off_body = " ".join(hand_off_body.split())
+    settle_args = ", ".join(f"p_{name} {kind}" for name, kind in SETTLE_ARGS)
+    settle_rest = (
+        f"({settle_args}) RETURNS SETOF record LANGUAGE plpgsql VOLATILE "
+        f"AS $body${settle_body}$body$"
+    )
+    hand_off_rest = (
+        "(p_r varchar, p_grace bigint) RETURNS text LANGUAGE plpgsql VOLATILE "
+        f"AS $body${hand_off_body}$body$"
+    )
+    settle = quote(f"{prefix}settle_{zlib.crc32(settle_rest.encode()):08x}")
+    hand_off = quote(f"{prefix}hand_off_{zlib.crc32(hand_off_rest.encode()):08x}")
+    return Functions(
+        settle,
+        hand_off,
+        (
+            f"{settle}({', '.join(kind for _, kind in SETTLE_ARGS)})",
+            f"{hand_off}(varchar, bigint)",
+        ),
+        (f"CREATE FUNCTION {settle}{settle_rest}", f"CREATE FUNCTION {hand_off}{hand_off_rest}"),
+    )
+
+
+def settle_call(fn: str, p: Callable[[str], str], running: str, was: tuple[str, str, str]) -> str:
+    """The call of the settling function ``fn`` in a claim statement, its clock from ``clk``;
+    ``running`` and ``was`` (fence, holder, check) are SQL for the last four arguments."""
+    claim_args = ", ".join(f"{p(name)}::{kind}" for name, kind in SETTLE_ARGS[:9])
+    # (its rows' shape is given here, not by the function: PostgreSQL would otherwise rebuild
+    # it from the catalog on every claim, called or not)
+    return (
+        f"{fn}({claim_args}, (SELECT us FROM clk), {running}, {', '.join(was)}) "
+        f"AS s({SETTLE_COLUMNS})"
+    )
+
+
+def released(row: Any) -> tuple[int, str | None]:
+    """A PostgreSQL release's answer as (rows released, payload of the waiter it woke): the
+    one-statement forms answer (count, [outcome count,] payload), the function forms one row
+    (the payload) when they released and none when not."""
+    if row is None:
+        return 0, None
+    if len(row) == 1:
+        return 1, row[0]
+    return int(row[0]), row[-1]
 
 
 class Raw(NamedTuple):
