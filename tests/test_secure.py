@@ -315,11 +315,14 @@ class TestPostgresLeastPrivilegeRole:
         run_as(role.admin_url, *(f"DROP FUNCTION {signature}" for signature in signatures))
         with store_from_url(role.url, table_prefix=table_prefix) as store:
             assert store.sql.acquire_raw is store.sql.inline_raw[0]  # (it could not make them)
+            (warning,) = store.check_health()
+            assert "wait-list functions" in warning and "init-schema --url OWNER_URL" in warning
         exercise(role, table_prefix)
         with owner_store(role, table_prefix):  # what init-schema does first
             pass
         with store_from_url(role.url, table_prefix=table_prefix) as store:
             assert store.sql.acquire_raw is store.sql.fast_raw[0]
+            assert store.check_health() == []
             holder = store.acquire("r/f", Owner.new("role"), LONG, identity="job-4")
             with pytest.raises(LeaseBusyError) as busy:  # joins, through the function
                 store.acquire("r/f", Owner.new("role"), LONG, identity="job-5", wait="wake-5")

@@ -579,6 +579,15 @@ class SQLLeaseStore(BaseLeaseStore):
         if problem is not None:
             raise LeaseConfigError(f"SQL lease store {self.url}: {problem}")
         warnings = []
+        if self.dialect == "postgresql":
+            self._use_functions(create=False)
+            if self.sql.acquire_raw is not self.sql.fast_raw[0]:
+                warnings.append(
+                    f"PostgreSQL lease store {self.url}: the wait-list functions of this version "
+                    "are missing (or not executable by this role): claims and releases work but "
+                    "cost the server more; as the tables' owner run `celery -A proj lease "
+                    "init-schema --url OWNER_URL` to create them"
+                )
         if self.dialect == "sqlite":
             warnings.append(
                 f"SQLite lease store {self.url}: exclusion only among processes on this host "
