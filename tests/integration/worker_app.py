@@ -221,6 +221,8 @@ def _report_outcome(kind: str, task_id: Any, name: Any, exc: Any) -> None:
             exc=type(exc).__name__,
             reason=getattr(exc, "reason", None),
             fence=getattr(exc, "fence", None),
+            position=getattr(exc, "position", None),
+            message=str(exc),
         )
     except Exception:  # test reporting must never break the worker
         return

@@ -1,0 +1,96 @@
+"""Hand-off edge cases with real workers (issue 10): the store forgets the wait list, and the
+wait list is full.
+
+A store restarted without persistence loses the holder's lease and the whole wait list: no
+release will ever wake the waiters. Their back-stop copies (each refused claim of a listed
+waiter is re-sent with a countdown of ``min(lease_busy_backoff_cap, max(backoff, lease_ttl))``)
+must still run every task, exactly once. A wait list at its cap turns the claims beyond it to
+the back-off: they must still run, exactly once, and their refusals say they were not listed.
+Body runs are counted from the coordination Redis (the session server), which the restarted
+store server does not touch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import missing, unique
+from tests.integration.harness import wait_success, worker_store
+from tests.tooling.servers import RedisServer, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
+
+TTL = 1.0
+BACKOFF_CAP = 2.0
+#: The longest countdown of a listed waiter's back-stop copy: min(cap, max(backoff, ttl)).
+BACKSTOP = min(BACKOFF_CAP, max(TTL, 0.05))
+HOLD = 0.1
+#: Margin for a loaded 2-core CI box (worker scheduling, countdown messages' ETA polling).
+SLACK = 20.0
+
+
+@pytest.fixture
+def private_redis(tmp_path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own, without AOF or RDB: a restart forgets everything."""
+    try:
+        server = RedisServer(tmp_path / "store", appendonly=False)
+    except FileNotFoundError as exc:
+        missing(str(exc))
+    server.start()
+    yield server
+    server.close()
+
+
+def _completed(events: Any, n: str) -> Counter[int]:
+    """How many times each task's body ran to its end (its exit report)."""
+    return Counter(e["k"] for e in events.where(ev="exit", res=n))
+
+
+TASKS = 8
+
+
+def test_a_store_restart_without_persistence_loses_no_waiting_task(
+    it_app, start_worker, events, queue, private_redis
+):
+    """The wait list and the lease vanish: every task still runs its body once, via back-stops.
+
+    Bound: a listed waiter's back-stop copy comes at most BACKSTOP (2 s: the backoff cap) after
+    its refused claim; then the tasks queue again in the new list and run HOLD each.
+    """
+    env = {
+        "CL_STORE": private_redis.url,
+        "CL_PREFIX": f"{unique('rs')}:",
+        "CL_TTL": str(TTL),
+        "CL_BACKOFF_BASE": "0.05",
+        "CL_BACKOFF_CAP": str(BACKOFF_CAP),
+    }
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=4)
+    n = unique("r")
+    holder = it_app.fifo_hold.apply_async((n, 0, 3.0), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiters = [it_app.fifo_hold.apply_async((n, k, HOLD), queue=queue) for k in range(1, TASKS)]
+    store = worker_store(env)
+    try:
+        wait_for(
+            lambda: len(store.waiters(f"fifo-{n}")) == TASKS - 1,
+            SLACK,
+            f"all {TASKS - 1} waiters to be listed",
+        )
+        private_redis.restart()  # SIGKILL; started again empty
+        assert store.waiters(f"fifo-{n}") == []
+        assert store.get(f"fifo-{n}") is None  # the holder's lease is gone too
+    finally:
+        store.close()
+    ids = [r.id for r in (holder, *waiters)]
+    del holder, waiters  # (an AsyncResult left to the end of the session warns as it goes)
+    deadline = BACKSTOP + TTL + TASKS * (HOLD + BACKSTOP) + SLACK
+    metas = wait_success(it_app.app, ids, deadline)
+    assert [metas[i]["result"] for i in ids] == list(range(TASKS))
+    # The holder lost its lease with the store: it may have been interrupted and run again.
+    # Every body ran to its end exactly once.
+    assert _completed(events, n) == Counter(range(TASKS)), _completed(events, n)
