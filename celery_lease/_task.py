@@ -342,7 +342,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             return self._duplicate_done(done)
         except LeaseBusyError as busy:
             _observe_acquire(claim_started, "busy")
-            return self._lease_busy(busy, settings)
+            # (every store of this package has a wait_cap; a third-party one may not)
+            cap = None if wait is None else int(getattr(store, "wait_cap", 0))
+            return self._lease_busy(busy, settings, wait_cap=cap)
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
@@ -659,7 +661,11 @@ class LeaseTask(Task):  # type: ignore[misc]
         events.count("celery_lease_handoffs_total", by=by)
 
     # -- busy and lost ------------------------------------------------------------------------
-    def _lease_busy(self, busy: LeaseBusyError, settings: LeaseSettings) -> Any:
+    def _lease_busy(
+        self, busy: LeaseBusyError, settings: LeaseSettings, wait_cap: int | None = None
+    ) -> Any:
+        """A refused claim: wait (re-queue), fail or skip; ``wait_cap`` is the store's wait
+        list cap when the claim asked to join the wait list (None when it did not)."""
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
         if request.is_eager or request.called_directly:
@@ -685,11 +691,22 @@ class LeaseTask(Task):  # type: ignore[misc]
                 "longer)",
                 *busy.args[1:],
             )
+        full = None
         if busy.position:  # queued: the release wakes it; this copy is the back-stop
             events.observe("celery_lease_wait_list_length", float(busy.position))
             delay = self._backstop_delay(waits, settings)
         else:
             delay = self._busy_delay(waits, settings)
+            if wait_cap is not None and not duplicate:
+                # It asked to wait in the list and was not listed: the list is at its cap.
+                # Say so (else it reads like a claim that never asked to wait).
+                full = f"wait_cap {wait_cap}" if wait_cap else "at its cap"
+                events.count("celery_lease_wait_list_full_total")
+                busy = LeaseBusyError(
+                    f"{busy} (its wait list is full ({full}): waiting with the back-off, "
+                    "not in the list)",
+                    *busy.args[1:],
+                )
         events.count("celery_lease_busy_waits_total")
         self._log(
             "busy",
@@ -702,6 +719,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             waits=waits + 1,
             duplicate=duplicate or None,
             position=busy.position,
+            wait_list_full=full,
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         # The store answered: a later outage starts its own budget.

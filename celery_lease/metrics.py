@@ -67,6 +67,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "celery_lease_releases_total": ("Leases released by their owner", ()),
     "celery_lease_stale_fence_rejections_total": ("Writes rejected for a stale fence", ()),
     "celery_lease_busy_waits_total": ("Tasks re-queued to wait for a busy resource", ()),
+    "celery_lease_wait_list_full_total": (
+        "Refused claims that asked to join the wait list and found it at its cap (they wait "
+        "with the back-off instead)",
+        (),
+    ),
     "celery_lease_duplicates_total": (
         "Deliveries of work already completed, suppressed (not run again)",
         (),

@@ -94,3 +94,44 @@ def test_a_store_restart_without_persistence_loses_no_waiting_task(
     # The holder lost its lease with the store: it may have been interrupted and run again.
     # Every body ran to its end exactly once.
     assert _completed(events, n) == Counter(range(TASKS)), _completed(events, n)
+
+
+CAP = 2
+OVER = 3
+
+
+def test_a_full_wait_list_leaves_the_claims_beyond_it_to_the_back_off_and_loses_none(
+    it_app, start_worker, events, queue, private_redis
+):
+    """Wait list cap 2, five waiters: the first two are listed, the other three are refused
+    unlisted (position None), told the list is full, and run from the back-off; every body
+    runs exactly once."""
+    env = {
+        "CL_STORE": private_redis.url,
+        "CL_PREFIX": f"{unique('cap')}:",
+        "CL_TTL": str(TTL),
+        "CL_BACKOFF_BASE": "0.05",
+        "CL_BACKOFF_CAP": str(BACKOFF_CAP),
+        "CL_WAIT_CAP": str(CAP),
+    }
+    start_worker(env, queue=queue, pool="threads", concurrency=CAP + OVER + 1)
+    n = unique("c")
+    sent = [it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)]
+    events.wait(ev="enter", res=n, k=0)
+    refusals = []
+    for k in range(1, CAP + OVER + 1):  # one at a time: the list's order is the sending order
+        sent.append(it_app.fifo_hold.apply_async((n, k, HOLD), queue=queue))
+        refusals.append(events.wait(ev="retry", task=sent[-1].id))
+    ids = [r.id for r in sent]
+    del sent
+    assert [r["position"] for r in refusals] == [1, 2] + [None] * OVER, refusals
+    # The refusals beyond the cap say so (before: the same words as a claim that never asked
+    # to wait, and no log line or metric told a full list from no list).
+    full = f"its wait list is full (wait_cap {CAP})"
+    assert [full in r["message"] for r in refusals] == [False] * CAP + [True] * OVER, [
+        r["message"] for r in refusals
+    ]
+    deadline = TTL + (CAP + OVER + 1) * (HOLD + BACKSTOP) + SLACK
+    metas = wait_success(it_app.app, ids, deadline)
+    assert [metas[i]["result"] for i in ids] == list(range(CAP + OVER + 1))
+    assert _completed(events, n) == Counter(range(CAP + OVER + 1)), _completed(events, n)

@@ -537,9 +537,9 @@ if env.get("CL_DUPLICATE_REARM") == "off":
 
     _lease_busy = LeaseTask._lease_busy
 
-    def _busy_without_duplicates(self: Any, busy: Any, settings: Any) -> Any:
+    def _busy_without_duplicates(self: Any, busy: Any, settings: Any, **kw: Any) -> Any:
         busy.duplicate = False
-        return _lease_busy(self, busy, settings)
+        return _lease_busy(self, busy, settings, **kw)
 
     LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
 
