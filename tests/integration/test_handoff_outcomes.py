@@ -53,13 +53,16 @@ def _completed(events: Any, n: str) -> Counter[int]:
 TASKS = 8
 
 
+@pytest.mark.parametrize("backstop", ["on", "off"])
 def test_a_store_restart_without_persistence_loses_no_waiting_task(
-    it_app, start_worker, events, queue, private_redis
+    it_app, start_worker, events, queue, private_redis, backstop
 ):
     """The wait list and the lease vanish: every task still runs its body once, via back-stops.
 
     Bound: a listed waiter's back-stop copy comes at most BACKSTOP (2 s: the backoff cap) after
-    its refused claim; then the tasks queue again in the new list and run HOLD each.
+    its refused claim; then the tasks queue again in the new list and run HOLD each. Negative
+    control (``off``: the back-stop copy comes 10 minutes later; no setting does this, the
+    worker app patches it): no waiter runs, the restart lost them all.
     """
     env = {
         "CL_STORE": private_redis.url,
@@ -67,6 +70,7 @@ def test_a_store_restart_without_persistence_loses_no_waiting_task(
         "CL_TTL": str(TTL),
         "CL_BACKOFF_BASE": "0.05",
         "CL_BACKOFF_CAP": str(BACKOFF_CAP),
+        "CL_BACKSTOP": backstop,
     }
     for _ in range(2):
         start_worker(env, queue=queue, pool="threads", concurrency=4)
@@ -88,6 +92,15 @@ def test_a_store_restart_without_persistence_loses_no_waiting_task(
         store.close()
     ids = [r.id for r in (holder, *waiters)]
     del holder, waiters  # (an AsyncResult left to the end of the session warns as it goes)
+    if backstop == "off":
+        # The holder still ends (its lost lease is retried at once); past every back-stop
+        # bound after it, no waiter has run: nothing else would ever run them.
+        wait_success(it_app.app, ids[:1], TTL + 3.0 + SLACK)
+        deadline = BACKSTOP + TTL + 2.0
+        with pytest.raises(TimeoutError):
+            wait_success(it_app.app, ids[1:], deadline)
+        assert _completed(events, n) == Counter([0]), _completed(events, n)
+        return
     deadline = BACKSTOP + TTL + TASKS * (HOLD + BACKSTOP) + SLACK
     metas = wait_success(it_app.app, ids, deadline)
     assert [metas[i]["result"] for i in ids] == list(range(TASKS))

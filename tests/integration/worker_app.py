@@ -544,6 +544,14 @@ if env.get("CL_DUPLICATE_REARM") == "off":
     LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
 
 
+if env.get("CL_BACKSTOP") == "off":
+    # Negative control of test_handoff_outcomes.py (there is no setting for it): a listed
+    # waiter's re-queued copy comes 10 minutes later, so only a wake would run it in time.
+    from celery_lease import LeaseTask
+
+    LeaseTask._backstop_delay = lambda self, waits, settings: 600.0  # type: ignore[method-assign]
+
+
 @lease_task(app=app, resource="conn-{n}")
 def touch(n: int, hold: float = 0.0) -> int:
     """Claims conn-<n>, holds it ``hold`` s and releases it: store calls and nothing else."""
