@@ -188,3 +188,47 @@ class TestWithoutTheFunctions:
             assert other.sql.acquire_raw is other.sql.fast_raw[0]
             lease = other.acquire("plan/v", Owner.new("a"), LONG)
             assert other.release(lease)
+
+
+class TestFunctionsOfAnotherRole:
+    def test_functions_planted_by_another_role_are_never_called(self, pg):
+        """A role that may create in the tables' schema (PUBLIC could, before PostgreSQL 15)
+        makes functions with the predictable names before the owner's store does. The owner's
+        store must not run them (they would run with the owner's rights): it uses only
+        functions the tables' owner owns, in the tables' schema, and else the one-statement
+        forms. Seen failing before: the refused claim ran the planted settling function."""
+        store, conn = pg
+        url = store.engine.url.render_as_string(hide_password=False)
+        prefix = f"{unique('pt')}_"
+        role = unique("planter")
+        with store_from_url(url, table_prefix=prefix, create_tables=False) as probe:
+            functions = probe.sql.functions  # the names are computed, not looked up
+        conn.execute(f"CREATE ROLE {role} NOLOGIN NOSUPERUSER")
+        try:
+            conn.execute(f"GRANT CREATE ON SCHEMA public TO {role}")
+            conn.execute(f"SET ROLE {role}")
+            args = ", ".join(
+                kind for kind in functions.signatures[0].split("(", 1)[1][:-1].split(", ")
+            )
+            planted = "BEGIN RAISE EXCEPTION 'planted function ran'; END"
+            conn.execute(
+                f"CREATE FUNCTION public.{functions.settle}({args}) RETURNS SETOF record "
+                f"LANGUAGE plpgsql AS $b${planted}$b$"
+            )
+            conn.execute(
+                f"CREATE FUNCTION public.{functions.hand_off}(varchar, bigint) RETURNS text "
+                f"LANGUAGE plpgsql AS $b${planted}$b$"
+            )
+            conn.execute("RESET ROLE")
+            with store_from_url(url, table_prefix=prefix) as owner:
+                holder = owner.acquire("plan/p", Owner.new("a"), LONG)
+                with pytest.raises(Exception) as busy:
+                    owner.acquire("plan/p", Owner.new("b"), LONG, identity="job-b", wait="w")
+                assert "planted" not in str(busy.value)
+                assert getattr(busy.value, "position", None) == 1
+                assert owner.release(holder) and holder.handoff == "w"
+                assert owner.sql.acquire_raw is owner.sql.inline_raw[0]
+        finally:
+            conn.execute("RESET ROLE")
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")

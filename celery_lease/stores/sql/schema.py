@@ -209,21 +209,28 @@ def _lacks_columns(
 WAIT_COLUMNS = frozenset({"waits", "wait_slow_us", "waits_expire_us"})
 
 
-def wait_functions(connections: Connections, functions: Any, leases: str, *, create: bool) -> bool:
+def wait_functions(
+    connections: Connections, functions: Any, leases: str, *, create: bool, table: str
+) -> bool:
     """Whether this role can call the wait-list functions of this version (PostgreSQL), making
     them first when missing and ``create`` (as :func:`create_tables`, under the advisory lock).
 
     A role that may not create them (the least-privilege role: it needs no right for this)
     gets ``False``, and the store claims with the whole logic in each statement instead,
     until the tables' owner creates them (``init-schema``, or a store made by the owner).
+    Only functions the lease table's owner owns, in the table's schema, are used: their
+    names are predictable, and one made by another role (who may create in a schema on the
+    search path) would otherwise run with the rights of whoever claims.
     """
-    # each function: whether it exists, and whether this role may execute it
+    # each function: whether it exists, and whether this role may (and should) execute it
     check = sa.text(
-        "SELECT to_regprocedure(f) IS NOT NULL, "
-        "coalesce(has_function_privilege(to_regprocedure(f), 'EXECUTE'), false) "
-        "FROM unnest(CAST(:f AS text[])) WITH ORDINALITY AS s(f, n) ORDER BY n"
+        "SELECT p.oid IS NOT NULL, coalesce(has_function_privilege(p.oid, 'EXECUTE') "
+        "AND p.proowner = c.relowner AND p.pronamespace = c.relnamespace, false) "
+        "FROM unnest(CAST(:f AS text[])) WITH ORDINALITY AS s(f, n) "
+        "LEFT JOIN pg_catalog.pg_proc AS p ON p.oid = pg_catalog.to_regprocedure(s.f) "
+        "LEFT JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(:t) ORDER BY n"
     )
-    signatures = {"f": list(functions.signatures)}
+    signatures = {"f": list(functions.signatures), "t": table}
     lock_key = zlib.crc32(f"celery_lease schema {leases}".encode())
     with connections.translate("wait-list function check"):
         try:

@@ -169,7 +169,11 @@ class SQLLeaseStore(BaseLeaseStore):
         if self.dialect != "postgresql":
             return
         available = schema.wait_functions(
-            self._connections, self.sql.functions, self.leases_table.name, create=create
+            self._connections,
+            self.sql.functions,
+            self.leases_table.name,
+            create=create,
+            table=self._quote(self.leases_table.name),
         )
         self.sql.use_functions(available)
         self.ledger_sql.use_functions(available)
