@@ -159,21 +159,21 @@ class LedgerStatements:
             "AND fence = (SELECT w.fence FROM was AS w) "
             "AND owner_token IS NOT DISTINCT FROM (SELECT w.owner_token FROM was AS w)"
         )
+        # the identity's row marked running under the fence just claimed (both claim forms)
+        mark_claimed = mark.format(
+            source=f"""
+                SELECT {p("r")}, {p("i")}, 'running', claimed.fence, {p("t")}, {p("l")},
+                       (SELECT o.state || chr(10) || o.fence || chr(10) || o.owner_label
+                        FROM old_ident AS o),
+                       clk.us + {p("ret")}
+                FROM claimed, clk"""
+        )
         self.acquire = f"""
             WITH clk AS (SELECT {now} AS us),
             old_ident AS ({self.ident_read}),
             was AS (SELECT fence, owner_token FROM {t} WHERE resource = {p("r")}),
             claim AS ({claim}),{wait_sql.claim_settle(t, p, duplicate, not_done)},
-            mark AS ({
-            mark.format(
-                source=f'''
-                SELECT {p("r")}, {p("i")}, 'running', claimed.fence, {p("t")}, {p("l")},
-                       (SELECT o.state || chr(10) || o.fence || chr(10) || o.owner_label
-                        FROM old_ident AS o),
-                       clk.us + {p("ret")}
-                FROM claimed, clk'''
-            )
-        } RETURNING 1)
+            mark AS ({mark_claimed} RETURNING 1)
             SELECT (SELECT count(*) FROM claimed), (SELECT count(*) FROM mark),
                    c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
                    h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
@@ -217,16 +217,7 @@ class LedgerStatements:
                 UNION ALL
                 SELECT o_fence, o_acquired, o_expires, o_prev_label, o_prev_fence
                 FROM s WHERE o_took),
-            mark AS ({
-            mark.format(
-                source=f'''
-                SELECT {p("r")}, {p("i")}, 'running', claimed.fence, {p("t")}, {p("l")},
-                       (SELECT o.state || chr(10) || o.fence || chr(10) || o.owner_label
-                        FROM old_ident AS o),
-                       clk.us + {p("ret")}
-                FROM claimed, clk'''
-            )
-        } RETURNING 1)
+            mark AS ({mark_claimed} RETURNING 1)
             SELECT (SELECT count(*) FROM claimed), (SELECT count(*) FROM mark),
                    c.fence, c.acquired_us, c.expires_us, c.prev_label, c.prev_fence,
                    h.o_token, h.o_label, h.o_hfence, h.o_hacquired, h.o_hexpires,
