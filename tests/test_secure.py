@@ -174,6 +174,22 @@ def run_as(url: str, *statements: str) -> None:
         engine.dispose()
 
 
+def _tables_before_the_wait_list(role: Any) -> tuple[str, str]:
+    """Tables the owner made and granted to ``role``, then stripped of the wait-list columns
+    (as made by a version before the wait list): their prefix and the lease table's name."""
+    table_prefix = unique("up") + "_"
+    with owner_store(role, table_prefix) as owner:
+        role.grant(owner)
+        leases = owner.leases_table.name
+    run_as(
+        role.admin_url,
+        f"DROP INDEX {leases}_waits",
+        *(f"ALTER TABLE {leases} DROP COLUMN {c}"
+          for c in ("waits", "wait_slow_us", "waits_expire_us")),
+    )  # fmt: skip
+    return table_prefix, leases
+
+
 def exercise(role: Any, table_prefix: str) -> None:
     """Every operation of the store, as the role: each needs some right on some table."""
     with store_from_url(role.url, table_prefix=table_prefix) as store:
@@ -248,16 +264,7 @@ class TestPostgresLeastPrivilegeRole:
         columns are missing and to run init-schema as the owner, which adds them (and nothing
         else is needed); not that it "may not create the lease tables", which are there."""
         role = request.getfixturevalue("postgres_role")
-        table_prefix = unique("up") + "_"
-        with owner_store(role, table_prefix) as owner:
-            role.grant(owner)
-            leases = owner.leases_table.name
-        run_as(
-            role.admin_url,
-            f"DROP INDEX {leases}_waits",
-            *(f"ALTER TABLE {leases} DROP COLUMN {c}"
-              for c in ("waits", "wait_slow_us", "waits_expire_us")),
-        )  # fmt: skip
+        table_prefix, leases = _tables_before_the_wait_list(role)
         with pytest.raises(LeaseConfigError) as caught:
             store_from_url(role.url, table_prefix=table_prefix)
         message = str(caught.value)
@@ -280,16 +287,7 @@ class TestPostgresLeastPrivilegeRole:
         list: check_health() names the missing columns and init-schema (it found nothing
         wrong, and every claim then failed with a raw "column does not exist")."""
         role = request.getfixturevalue("postgres_role")
-        table_prefix = unique("up") + "_"
-        with owner_store(role, table_prefix) as owner:
-            role.grant(owner)
-            leases = owner.leases_table.name
-        run_as(
-            role.admin_url,
-            f"DROP INDEX {leases}_waits",
-            *(f"ALTER TABLE {leases} DROP COLUMN {c}"
-              for c in ("waits", "wait_slow_us", "waits_expire_us")),
-        )  # fmt: skip
+        table_prefix, _ = _tables_before_the_wait_list(role)
         with store_from_url(role.url, table_prefix=table_prefix, create_tables=False) as store:
             with pytest.raises(LeaseConfigError) as caught:
                 store.check_health()
