@@ -140,9 +140,12 @@ def _arm_held_back_failpoint() -> None:
     once = os.environ.get("CELERY_LEASE_FAILPOINTS_ONCE")
     if not once or not os.path.exists(f"{once}.inside_renew.at-hold"):
         return
+    # The note first, then the marker: the renewal thread may fire between the two unlinks
+    # (os.unlink lets go of the GIL). In the other order it found the marker gone and the
+    # note still there, killed the child, and the test counted a death at no armed site.
+    os.unlink(f"{once}.inside_renew.at-hold")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"{once}.inside_renew")  # the marker that held it back: now it may fire
-    os.unlink(f"{once}.inside_renew.at-hold")
 
 
 def _failpoint_body(task: Any, trial: int, hold: float) -> dict[str, Any]:
