@@ -327,6 +327,33 @@ class TestPostgresLeastPrivilegeRole:
             assert busy.value.position == 1
             assert store.release(holder, outcome="done") and holder.handoff == "wake-5"
 
+    def test_execute_revoked_after_the_store_started_falls_back(self, request):
+        """A DBA revokes EXECUTE on the wait-list functions from PUBLIC after the role's store
+        chose them: a refused claim and the release of a row with a waiter run the
+        one-statement forms (the tables' rights suffice). Seen failing before: "permission
+        denied for function ..._settle_..." with advice to GRANT rights the role has."""
+        role = request.getfixturevalue("postgres_role")
+        table_prefix = unique("rv") + "_"
+        with owner_store(role, table_prefix) as owner:
+            role.grant(owner)
+            signatures = owner.sql.functions.signatures
+        with store_from_url(role.url, table_prefix=table_prefix) as store:
+            holder = store.acquire("r/v", Owner.new("role"), LONG, identity="job-1")
+            with pytest.raises(LeaseBusyError) as busy:
+                store.acquire("r/v", Owner.new("role"), LONG, identity="job-2", wait="wake-2")
+            assert busy.value.position == 1 and store.sql.acquire_raw is store.sql.fast_raw[0]
+            run_as(
+                role.admin_url,
+                *(
+                    f"REVOKE EXECUTE ON FUNCTION {signature} FROM PUBLIC"
+                    for signature in signatures
+                ),
+            )
+            with pytest.raises(LeaseBusyError) as busy:
+                store.acquire("r/v", Owner.new("role"), LONG, identity="job-3", wait="wake-3")
+            assert busy.value.position == 2
+            assert store.release(holder, outcome="done") and holder.handoff == "wake-2"
+
     @pytest.mark.parametrize(
         ("kind", "right"),
         [(kind, right) for kind, rights in TABLE_RIGHTS.items() for right in rights],

@@ -15,6 +15,7 @@ runs) fail the same check.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -22,7 +23,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from celery_lease import Owner
+from celery_lease import LeaseBusyError, Owner
 from celery_lease.stores import store_from_url
 from celery_lease.stores.sql import SQLLeaseStore
 from tests.conftest import unique
@@ -188,6 +189,48 @@ class TestWithoutTheFunctions:
             assert other.sql.acquire_raw is other.sql.fast_raw[0]
             lease = other.acquire("plan/v", Owner.new("a"), LONG)
             assert other.release(lease)
+
+    def test_functions_dropped_after_start_release_then_claim(self, pg, caplog):
+        """The functions dropped after the store chose them (an owner cleaning up, a restore
+        without them): the release of a row with a waiter and later refused claims fall back
+        to the one-statement forms, with the same answers, and say so once. Seen failing
+        before: the release raised UndefinedFunction (the outcome is unknown) forever."""
+        store, conn = pg
+        holder = store.acquire("plan/d", Owner.new("a"), LONG)
+        with pytest.raises(LeaseBusyError) as busy:
+            store.acquire("plan/d", Owner.new("b"), LONG, identity="job-b", wait="wake-b")
+        assert busy.value.position == 1
+        assert store.sql.acquire_raw is store.sql.fast_raw[0]
+        for signature in store.sql.functions.signatures:
+            conn.execute(f"DROP FUNCTION {signature}")
+        with caplog.at_level(logging.WARNING, logger="celery_lease"):
+            assert store.release(holder) and holder.handoff == "wake-b"
+            assert store.sql.acquire_raw is store.sql.inline_raw[0]
+            assert store.ledger_sql.acquire_raw is store.ledger_sql.inline_raw[0]
+            lease = store.acquire("plan/d", Owner.new("b"), LONG, identity="job-b", wait="x")
+            with pytest.raises(LeaseBusyError) as busy:
+                store.acquire("plan/d", Owner.new("c"), LONG, identity="job-c", wait="wake-c")
+            assert busy.value.position == 1
+            assert store.release(lease, outcome="done") and lease.handoff == "wake-c"
+        warned = [r for r in caplog.records if "init-schema" in r.getMessage()]
+        assert len(warned) == 1 and store.sql.functions.hand_off in warned[0].getMessage()
+
+    def test_functions_dropped_after_start_refused_claims(self, pg):
+        """As above, the first call after the drop a refused claim (identity, then plain)."""
+        store, conn = pg
+        holder = store.acquire("plan/e", Owner.new("a"), LONG)
+        for signature in store.sql.functions.signatures:
+            conn.execute(f"DROP FUNCTION {signature}")
+        with pytest.raises(LeaseBusyError) as busy:
+            store.acquire("plan/e", Owner.new("b"), LONG, identity="job-b", wait="wake-b")
+        assert busy.value.position == 1
+        with pytest.raises(LeaseBusyError) as busy:
+            store.acquire("plan/e", Owner.new("c"), LONG)
+        assert busy.value.position is None
+        with pytest.raises(LeaseBusyError) as busy:
+            store.acquire("plan/e", Owner.new("c"), LONG, identity="job-c", wait="wake-c")
+        assert busy.value.position == 2
+        assert store.release(holder) and holder.handoff == "wake-b"
 
 
 class TestFunctionsOfAnotherRole:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
@@ -50,7 +51,7 @@ from ..base import (
 from . import ledger, schema, waits
 from . import statements as stmts
 from . import wait_statements as wait_sql
-from .connection import Connections, create_engine, fetch, one
+from .connection import Connections, create_engine, fetch, first_line, one
 from .ledger_statements import LedgerStatements
 from .rows import NO_ROW, ClaimRow, recovered_from, why_lost
 from .schema import SCHEMA_VERSION, TABLE_RIGHTS
@@ -60,6 +61,7 @@ __all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "SQLLeaseStore"]
 # The backend's logger name from before the stores became packages, so that logging set up for
 # it keeps seeing this store's lines (the force-release warning above all).
 log = logging.getLogger("celery_lease.stores.sql")
+T = TypeVar("T")
 
 _SQLITE_MIN = (3, 35, 0)  # RETURNING
 
@@ -145,6 +147,7 @@ class SQLLeaseStore(BaseLeaseStore):
         # PostgreSQL: whether the wait-list functions are there is found out by create_tables,
         # else before the first claim or release (a store makes no I/O when it is built).
         self._functions_known = self.dialect != "postgresql"
+        self._fallback_lock = threading.Lock()
         if create_tables:
             try:
                 self.create_tables()
@@ -178,6 +181,46 @@ class SQLLeaseStore(BaseLeaseStore):
         self.sql.use_functions(available)
         self.ledger_sql.use_functions(available)
         self._functions_known = True
+
+    def _run_waits(self, what: str, work: Callable[[Any], T]) -> T:
+        """Run a claim or release that may call the wait-list functions.
+
+        Functions dropped, or their EXECUTE revoked, after this store chose them fail the one
+        statement (autocommit: nothing was written): switch to the one-statement forms, warn
+        once, and run the operation again.
+        """
+        try:
+            return self._connections.run(what, work)
+        except LeaseStoreError as exc:
+            if not self._functions_failed(exc.__cause__):
+                raise
+        return self._connections.run(what, work)
+
+    def _functions_failed(self, exc: BaseException | None) -> bool:
+        if self.dialect != "postgresql" or exc is None:
+            return False
+        orig = getattr(exc, "orig", exc)
+        if getattr(orig, "sqlstate", None) not in ("42883", "42501"):
+            return False
+        functions = self.sql.functions
+        names = [name.strip('"') for name in (functions.settle, functions.hand_off)]
+        if not any(name in str(orig) for name in names):
+            return False
+        with self._fallback_lock:
+            if self.sql.acquire_raw is self.sql.fast_raw[0]:
+                self.sql.use_functions(False)
+                self.ledger_sql.use_functions(False)
+                log.warning(
+                    "PostgreSQL lease store %s: the wait-list functions %s and %s failed (%s): "
+                    "using the one-statement forms from now on (more server CPU per call); as "
+                    "the tables' owner run `celery -A proj lease init-schema --url OWNER_URL` "
+                    "to create them again",
+                    self.url,
+                    functions.settle,
+                    functions.hand_off,
+                    first_line(exc),
+                )
+        return True
 
     def grant_statements(self, role: str) -> builtins.list[str]:
         """The ``GRANT`` statements that give ``role`` what the store needs, and no more.
@@ -224,7 +267,7 @@ class SQLLeaseStore(BaseLeaseStore):
             self._use_functions(create=False)
         for _ in range(3):
             sent = monotonic()
-            row = self._connections.run(f"acquire of {resource!r}", lambda c: claim(c, params))
+            row = self._run_waits(f"acquire of {resource!r}", lambda c: claim(c, params))
             if row is None:  # a racing first claim is not visible to our snapshot yet: ask again
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
@@ -430,7 +473,7 @@ class SQLLeaseStore(BaseLeaseStore):
             with self._connections.immediate(cursor):
                 return waits.release_sqlite(cursor, self.sql, params)
 
-        released, lease.handoff = self._connections.run(f"release of {lease.resource!r}", work)
+        released, lease.handoff = self._run_waits(f"release of {lease.resource!r}", work)
         return released == 1
 
     def _claim_identity(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
@@ -604,6 +647,7 @@ class SQLLeaseStore(BaseLeaseStore):
 
     def reset_after_fork(self) -> None:
         self._connections.reset_after_fork()
+        self._fallback_lock = threading.Lock()
 
     def close(self) -> None:
         self._connections.close()
