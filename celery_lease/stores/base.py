@@ -37,15 +37,16 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     in the same round trip (at most ``wait_cap`` waiters; an identity already waiting keeps its
     place, and a refused claim re-arms it: it no longer counts as woken, see 14). A waiter's
     place lapses ``wait_ttl`` seconds after its last refused claim.
-13. While the resource has no live lease it is held for its first waiter that did not miss its
-    grace: one never woken (or re-armed, 12), or woken less than ``handoff_grace`` seconds ago.
-    Only that waiter, or a waiter listed before it, can claim it; every other claim is refused
-    and queued behind. A waiter woken longer ago that has not claimed (its message waits behind
-    a backlog, or its worker is paused) missed its grace: it keeps its place and may claim
-    whenever it comes (it arrived earlier), but nothing is held for it; the hold moves on to
-    the waiters behind it. After a wake missed its grace, nothing is held for any waiter (woken
-    or not) for ``10 * handoff_grace`` seconds, so a backlog that keeps missing its wakes
-    cannot keep the resource idle. A waiter leaves the list when it claims.
+13. While the resource has no live lease it is held for the waiter woken less than
+    ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
+    woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a
+    waiter listed before it, can claim it; every other claim is refused and queued behind. A
+    waiter woken longer ago that has not claimed (its message waits behind a backlog, or its
+    worker is paused) missed its grace: it keeps its place and may claim whenever it comes (it
+    arrived earlier), but nothing is held for it; the hold moves on to the waiters behind it.
+    After a wake missed its grace, nothing is held for any waiter (woken or not) for
+    ``10 * handoff_grace`` seconds, so a backlog that keeps missing its wakes cannot keep the
+    resource idle. A waiter leaves the list when it claims.
 14. ``release`` wakes in its own round trip: the first waiter never woken (the head, in the
     common case) is marked woken and its wake payload comes back in ``lease.handoff`` for the
     releaser to send, unless a wake was sent less than ``handoff_grace`` ago (one wake in flight

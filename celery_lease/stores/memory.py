@@ -69,14 +69,18 @@ def _wake(waiter: list[Any], until: int) -> None:
 
 
 def _held(waits: list[list[Any]], identity: str | None, now: int) -> list[Any] | None:
-    """The waiter the free resource is held for against a claim by ``identity``: the first
-    that did not miss its grace (never woken, or woken less than the grace ago), unless
+    """The waiter the free resource is held for against a claim by ``identity``: the one
+    whose wake is in flight (woken less than the grace ago: one wake at a time, even with a
+    re-armed waiter ahead of it), else the first never woken (or re-armed), unless
     ``identity`` is that waiter or listed before it (None then, or when nobody waits)."""
+    held = next((w for w in waits if w[3] > now), None)
+    if held is None:
+        held = next((w for w in waits if w[3] == 0), None)
     for waiter in waits:
         if waiter[0] == identity:
             return None
-        if waiter[3] == 0 or waiter[3] > now:
-            return waiter
+        if waiter is held:
+            return held
     return None
 
 

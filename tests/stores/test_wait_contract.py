@@ -299,6 +299,40 @@ class TestWaitList:
         lease = claim(wstore, r, "b")
         assert [w.identity for w in wstore.waiters(r)] == ["c", "newcomer", "later"]
 
+    def test_a_refused_newcomer_sends_no_second_wake_while_one_is_in_flight(self, wstore, names):
+        """A waiter re-armed ahead of one whose wake is in flight is not woken by a refused
+        newcomer: the hold stays with the woken waiter (one wake in flight, invariant 14), which
+        claims within its grace. Before: the newcomer woke the re-armed head too (two wakes in
+        flight) and the hold moved to it, so the woken waiter's copy was refused."""
+        grace = wstore.handoff_grace = 0.5
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        for w in ("a", "b"):
+            refused(wstore, r, w)
+        before = time.time()
+        wstore.release(lease)
+        after = time.time()
+        assert lease.handoff == "payload-a"  # a's copy is late
+        wait_for(lambda: not wstore.waiters(r)[0].woken, 5, "a's grace to pass")
+        # a missed its grace at a known store time (every store reads this machine's clock):
+        # nothing is held for 10 graces after it, ending between these two instants.
+        pause_from, pause_to = before + 11 * grace, after + 11 * grace
+        lease = claim(wstore, r, "n")  # in the pause: a newcomer takes it
+        time.sleep(max(0.0, pause_from - grace / 2 - time.time()))
+        wstore.release(lease)
+        assert lease.handoff == "payload-b"  # b's wake is in flight for a grace from here
+        lease = claim(wstore, r, "m")  # still in the pause
+        assert refused(wstore, r, "a").position == 1  # a's late copy: refused, re-armed
+        wstore.release(lease)
+        assert lease.handoff is None  # b's wake is in flight
+        time.sleep(max(0.0, pause_to + 0.02 - time.time()))
+        busy = refused(wstore, r, "z")  # the pause is over: held for b, whose wake flies
+        woken = [w.identity for w in wstore.waiters(r) if w.woken]
+        assert woken == ["b"], f"wakes in flight: {woken}"
+        assert busy.wake is None
+        lease = claim(wstore, r, "b")  # b's copy comes within its grace
+        assert [w.identity for w in wstore.waiters(r)] == ["a", "z"]
+
     def test_a_duplicate_of_the_running_identity_is_not_queued(self, wstore, names):
         """A copy of the running work is never queued behind itself."""
         r = names + "r"

@@ -268,14 +268,23 @@ if cur then
   end
 end
 if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
-  -- the waiter held for: the first that did not miss its grace (never woken, or woken less
-  -- than the grace ago), unless this claimant is that waiter or listed before it
+  -- the waiter held for: the one whose wake is in flight (woken less than the grace ago: one
+  -- wake at a time, even with a re-armed waiter ahead of it), else the first never woken,
+  -- unless this claimant is that waiter or listed before it
   local held = false
   if wl.slow <= now then
+    local pick = false
+    for _, w in ipairs(wl) do
+      local woken = tonumber(w[4])
+      if woken > now then
+        pick = w
+        break
+      end
+      if woken == 0 and not pick then pick = w end
+    end
     for _, w in ipairs(wl) do
       if w[1] == ARGV[5] then break end
-      local woken = tonumber(w[4])
-      if woken == 0 or woken > now then
+      if w == pick then
         held = w
         break
       end

@@ -4,10 +4,11 @@ The claim stays one statement. Its first step is the plain upsert, which takes a
 when nobody waits (``waits IS NULL``): the common claim never reads the list. When that refuses,
 the statement's second half settles the claim on the newest committed row, read ``FOR UPDATE``
 (in READ COMMITTED that read waits for a racing writer and returns the row it committed): it
-takes a free row that no waiter holds (the first waiter that did not miss its grace holds it
-against claims listed behind it), or refuses and joins the list and wakes the waiter held for
-if nobody woke it, writing the row back once. The release rewrites the list in the same ``UPDATE``
-that frees the row (only when there is one) and returns the woken waiter's payload.
+takes a free row that no waiter holds (the waiter whose wake is in flight, else the first never
+woken, holds it against claims listed behind it), or refuses and joins the list and wakes the
+waiter held for if nobody woke it, writing the row back once. The release rewrites the list in
+the same ``UPDATE`` that frees the row (only when there is one) and returns the woken waiter's
+payload.
 
 PostgreSQL sets up every node of a statement's plan before it runs any (the settling CTEs of a
 claim nobody waits for are never executed, but were initialised on every call: about half the
@@ -85,7 +86,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
             LEFT JOIN LATERAL (
                 SELECT lw.e, lw.pos FROM lw
                 WHERE (lw.e->>3)::bigint = 0 OR (lw.e->>3)::bigint > k.us
-                ORDER BY lw.pos LIMIT 1) AS h ON true),
+                ORDER BY (lw.e->>3)::bigint > k.us DESC, lw.pos LIMIT 1) AS h ON true),
         dec AS MATERIALIZED (
             SELECT st.*, CASE
                 WHEN st.live AND st.owner_token <> {p("t")} THEN 'busy'

@@ -75,14 +75,17 @@ class Waits:
 
     def held(self, identity: str | None, now: int) -> Place | None:
         """The waiter the free resource is held for against a claim by ``identity``: the
-        first that did not miss its grace (never woken, or woken less than the grace ago),
-        unless ``identity`` is that waiter or listed before it (None then)."""
+        one whose wake is in flight (woken less than the grace ago: one wake at a time, even
+        with a re-armed waiter ahead of it), else the first never woken (or re-armed), unless
+        ``identity`` is that waiter or listed before it (None then)."""
+        held = next((e for e in self.places if int(e[3]) > now), None)
+        if held is None:
+            held = next((e for e in self.places if int(e[3]) == 0), None)
         for entry in self.places:
             if entry[0] == identity:
                 return None
-            woken = int(entry[3])
-            if woken == 0 or woken > now:
-                return entry
+            if entry is held:
+                return held
         return None
 
     def join(self, identity: str, payload: str, until: int, now: int, cap: int) -> int:
