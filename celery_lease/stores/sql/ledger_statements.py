@@ -228,12 +228,8 @@ class LedgerStatements:
             LEFT JOIN claimed AS c ON true
             LEFT JOIN s AS h ON NOT h.o_took
             LEFT JOIN old_ident AS o ON true"""
-        self.release_outcome_fast = f"""
-            WITH upd AS ({self.ident_outcome})
-            UPDATE {t} SET owner_token = NULL, prev_label = NULL, prev_fence = NULL
-            WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
-            RETURNING CASE WHEN waits IS NULL THEN NULL
-                ELSE {functions.hand_off}(resource, {p("grace")}::bigint) END"""
+        release = wait_sql.release_calling(t, functions.hand_off, p)
+        self.release_outcome_fast = f"WITH upd AS ({self.ident_outcome}){release}"
         self.inline_raw = (wait_sql.raw(self.acquire), wait_sql.raw(self.release_outcome))
         self.fast_raw = (wait_sql.raw(self.acquire_fast), wait_sql.raw(self.release_outcome_fast))
         self.use_functions(False)

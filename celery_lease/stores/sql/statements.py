@@ -114,11 +114,7 @@ class Statements:
                        s.o_wake, s.o_hold, s.o_hold_until
                 FROM {settle}
                 WHERE NOT EXISTS (SELECT 1 FROM claim)"""
-            self.release_fast = f"""
-                UPDATE {t} SET owner_token = NULL, prev_label = NULL, prev_fence = NULL
-                WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
-                RETURNING CASE WHEN waits IS NULL THEN NULL
-                    ELSE {fn.hand_off}(resource, {p("grace")}::bigint) END"""
+            self.release_fast = wait_sql.release_calling(t, fn.hand_off, p)
             self.inline_raw = (wait_sql.raw(self.acquire), wait_sql.raw(self.release_wake))
             self.fast_raw = (wait_sql.raw(self.acquire_fast), wait_sql.raw(self.release_fast))
             self.use_functions(False)

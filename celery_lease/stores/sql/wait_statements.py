@@ -312,6 +312,16 @@ def settle_call(fn: str, p: Callable[[str], str], running: str, was: tuple[str, 
     )
 
 
+def release_calling(t: str, fn: str, p: Callable[[str], str]) -> str:
+    """The release of the row held under ``(r, t, f)``: the hand-off function ``fn`` is called
+    (from RETURNING) only when the row has a wait list, and answers the woken payload."""
+    return f"""
+        UPDATE {t} SET owner_token = NULL, prev_label = NULL, prev_fence = NULL
+        WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}
+        RETURNING CASE WHEN waits IS NULL THEN NULL
+            ELSE {fn}(resource, {p("grace")}::bigint) END"""
+
+
 def released(row: Any) -> tuple[int, str | None]:
     """A PostgreSQL release's answer as (rows released, payload of the waiter it woke): the
     one-statement forms answer (count, [outcome count,] payload), the function forms one row
