@@ -231,25 +231,51 @@ def wait_functions(
         "LEFT JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(:t) ORDER BY n"
     )
     signatures = {"f": list(functions.signatures), "t": table}
-    lock_key = zlib.crc32(f"celery_lease schema {leases}".encode())
-    with connections.translate("wait-list function check"):
-        try:
-            with connections.engine.begin() as conn:
-                found = conn.execute(check, signatures).all()
-                if all(usable for _, usable in found) or not create:
-                    return all(usable for _, usable in found)
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
-                found = conn.execute(check, signatures).all()  # (another may have made them)
-                # another version's SQL has other names: only the missing ones are made
-                for ddl, (exists, _) in zip(functions.ddl, found, strict=True):
-                    if not exists:
-                        conn.exec_driver_sql(ddl)
-                found = conn.execute(check, signatures).all()
-        except SQLAlchemyError as exc:
-            if not permission_denied(exc):
-                raise
-            return False
+    lock_key = {"k": zlib.crc32(f"celery_lease schema {leases}".encode())}
+    for attempt in (1, 2, 3):
+        with connections.translate("wait-list function check"):
+            try:
+                with connections.engine.connect() as conn:
+                    found = conn.execute(check, signatures).all()
+                    if all(usable for _, usable in found) or not create:
+                        return all(usable for _, usable in found)
+                    # The connection is in autocommit mode, where a transaction-level lock
+                    # ends with its own statement: this one is held until unlocked below.
+                    conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), lock_key)
+                    try:
+                        found = conn.execute(check, signatures).all()  # (another made them?)
+                        # another version's SQL has other names: only the missing ones are made
+                        for ddl, (exists, _) in zip(functions.ddl, found, strict=True):
+                            if not exists:
+                                conn.exec_driver_sql(ddl)
+                        found = conn.execute(check, signatures).all()
+                    finally:
+                        _unlock(conn, lock_key)
+            except SQLAlchemyError as exc:
+                if attempt < 3 and _made_by_another(exc):
+                    continue  # the next check sees the other store's functions
+                if not permission_denied(exc):
+                    raise
+                return False
+        break
     return all(usable for _, usable in found)
+
+
+def _unlock(conn: Any, key: dict[str, int]) -> None:
+    """Let go of the session advisory lock; a connection that cannot is thrown away (its
+    session, and with it the lock, ends) rather than returned to the pool holding it."""
+    try:
+        conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), key)
+    except SQLAlchemyError:
+        conn.invalidate()
+
+
+def _made_by_another(exc: BaseException) -> bool:
+    """CREATE FUNCTION lost a race to another store making the same function (PostgreSQL):
+    the other committed between this store's check and its create (kept as a back-stop; the
+    session lock above orders stores that hold it)."""
+    orig = getattr(exc, "orig", exc)
+    return getattr(orig, "sqlstate", None) in ("42723", "23505")  # duplicate_function, unique
 
 
 def wait_columns() -> list[sa.Column[Any]]:
