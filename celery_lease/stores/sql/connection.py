@@ -299,10 +299,14 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
     return engine
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error, wrapped by SQLAlchemy or not (None from SQLite)."""
+    return getattr(getattr(exc, "orig", exc), "sqlstate", None)
+
+
 def permission_denied(exc: BaseException) -> bool:
     """PostgreSQL refused a statement for a missing right (SQLSTATE 42501)."""
-    orig = getattr(exc, "orig", exc)
-    return getattr(orig, "sqlstate", None) == "42501"
+    return sqlstate(exc) == "42501"
 
 
 def undefined_object(exc: BaseException) -> bool:

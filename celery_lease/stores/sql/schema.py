@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ... import _clock
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._names import show_value
-from .connection import Connections, first_line, permission_denied
+from .connection import Connections, first_line, permission_denied, sqlstate
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -274,8 +274,7 @@ def _made_by_another(exc: BaseException) -> bool:
     """CREATE FUNCTION lost a race to another store making the same function (PostgreSQL):
     the other committed between this store's check and its create (kept as a back-stop; the
     session lock above orders stores that hold it)."""
-    orig = getattr(exc, "orig", exc)
-    return getattr(orig, "sqlstate", None) in ("42723", "23505")  # duplicate_function, unique
+    return sqlstate(exc) in ("42723", "23505")  # duplicate_function, unique_violation
 
 
 def wait_columns() -> list[sa.Column[Any]]:

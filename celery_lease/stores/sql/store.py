@@ -51,7 +51,7 @@ from ..base import (
 from . import ledger, schema, waits
 from . import statements as stmts
 from . import wait_statements as wait_sql
-from .connection import Connections, create_engine, fetch, first_line, one
+from .connection import Connections, create_engine, fetch, first_line, one, sqlstate
 from .ledger_statements import LedgerStatements
 from .rows import NO_ROW, ClaimRow, recovered_from, why_lost
 from .schema import SCHEMA_VERSION, TABLE_RIGHTS
@@ -199,9 +199,9 @@ class SQLLeaseStore(BaseLeaseStore):
     def _functions_failed(self, exc: BaseException | None) -> bool:
         if self.dialect != "postgresql" or exc is None:
             return False
-        orig = getattr(exc, "orig", exc)
-        if getattr(orig, "sqlstate", None) not in ("42883", "42501"):
+        if sqlstate(exc) not in ("42883", "42501"):  # undefined_function, insufficient_privilege
             return False
+        orig = getattr(exc, "orig", exc)
         functions = self.sql.functions
         names = [name.strip('"') for name in (functions.settle, functions.hand_off)]
         if not any(name in str(orig) for name in names):
