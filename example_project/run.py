@@ -48,10 +48,17 @@ _held: dict[str, int | None] = {"holding": 0, "signum": None}
 def _interrupt(signum: int, _frame: object) -> None:
     for stop in STOP_SIGNALS:  # once: a second signal must not cut the clean-up short
         signal.signal(stop, signal.SIG_IGN)
-    if _held["holding"]:
-        _held["signum"] = signum
-        return
-    raise Interrupted(signum)
+    # Kept as well as raised: a raise that lands in a finalizer ("Exception ignored in ...") or
+    # in library code that catches everything is lost, and the run would go on to the end and
+    # exit 0; every wait checks this again.
+    _held["signum"] = signum
+    if not _held["holding"]:
+        raise Interrupted(signum)
+
+
+def _raise_if_stopped() -> None:
+    if _held["signum"] is not None:
+        raise Interrupted(_held["signum"])
 
 
 class Demo:
@@ -78,8 +85,7 @@ class Demo:
         finally:
             log.close()  # the worker has its own copy
             _held["holding"] = 0
-        if _held["signum"] is not None:
-            raise Interrupted(_held["signum"])
+        _raise_if_stopped()
         return name
 
     def declare_queues(self, name: str) -> None:
@@ -157,6 +163,7 @@ class Demo:
     def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
         deadline = time.monotonic() + timeout
         while True:
+            _raise_if_stopped()
             value = check()
             if value:
                 return value
@@ -494,6 +501,7 @@ def run(options: argparse.Namespace, scenarios: list[tuple[str, Callable[[Demo],
                 scenario(demo)
                 print(f"      done in {time.monotonic() - began:.1f} s", flush=True)
             world_invariants(demo)
+            _raise_if_stopped()
         except Interrupted:
             demo.stop_all(timeout=10)  # a warm shutdown waits for a running task
             raise
