@@ -343,7 +343,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         except LeaseBusyError as busy:
             _observe_acquire(claim_started, "busy")
             # (every store of this package has a wait_cap; a third-party one may not)
-            cap = None if wait is None else int(getattr(store, "wait_cap", 0))
+            cap = None if wait is None else _wait_bounds(store)
             return self._lease_busy(busy, settings, wait_cap=cap)
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
@@ -662,10 +662,10 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(
-        self, busy: LeaseBusyError, settings: LeaseSettings, wait_cap: int | None = None
+        self, busy: LeaseBusyError, settings: LeaseSettings, wait_cap: str | None = None
     ) -> Any:
-        """A refused claim: wait (re-queue), fail or skip; ``wait_cap`` is the store's wait
-        list cap when the claim asked to join the wait list (None when it did not)."""
+        """A refused claim: wait (re-queue), fail or skip; ``wait_cap`` tells the store's wait
+        list bounds when the claim asked to join the wait list (None when it did not)."""
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
         if request.is_eager or request.called_directly:
@@ -698,9 +698,10 @@ class LeaseTask(Task):  # type: ignore[misc]
         else:
             delay = self._busy_delay(waits, settings)
             if wait_cap is not None and not duplicate:
-                # It asked to wait in the list and was not listed: the list is at its cap.
-                # Say so (else it reads like a claim that never asked to wait).
-                full = f"wait_cap {wait_cap}" if wait_cap else "at its cap"
+                # It asked to wait in the list and was not listed: the list is at its cap
+                # (of waiters or of payload bytes). Say so (else it reads like a claim that
+                # never asked to wait).
+                full = wait_cap or "at its cap"
                 events.count("celery_lease_wait_list_full_total")
                 busy = LeaseBusyError(
                     f"{busy} (its wait list is full ({full}): waiting with the back-off, "
@@ -1114,6 +1115,19 @@ def _execution_options(request: Any) -> dict[str, Any]:
         options["stamped_headers"] = stamped
         options.update((k, v) for k, v in stamps.items() if k in stamped and v is not None)
     return options
+
+
+def _wait_bounds(store: Any) -> str:
+    """The store's wait list bounds, as a full list's refusal names them (past either one a
+    refused claim is not listed)."""
+    cap = int(getattr(store, "wait_cap", 0))
+    if not cap:
+        return ""
+    shown = f"wait_cap {cap} waiters"
+    cap_bytes = getattr(store, "wait_bytes_cap", None)
+    if cap_bytes:
+        shown += f" or wait_bytes_cap {int(cap_bytes)} bytes of wake messages"
+    return shown
 
 
 def _owner_label(request: Any) -> str:

@@ -34,9 +34,11 @@ Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints)
 Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
 
 12. A claim refused because other work holds the resource joins the resource's FIFO wait list
-    in the same round trip (at most ``wait_cap`` waiters; an identity already waiting keeps its
-    place, and a refused claim re-arms it: it no longer counts as woken, see 14). A waiter's
-    place lapses ``wait_ttl`` seconds after its last refused claim.
+    in the same round trip (at most ``wait_cap`` waiters, whose wake payloads add up to at most
+    ``wait_bytes_cap`` bytes (UTF-8); an identity already waiting keeps its place, and a refused
+    claim re-arms it: it no longer counts as woken, see 14). A claim past either bound is
+    refused unlisted (position None). A waiter's place lapses ``wait_ttl`` seconds after its
+    last refused claim.
 13. While the resource has no live lease it is held for the waiter woken less than
     ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
     woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a
@@ -181,6 +183,13 @@ class Waiter:
 #: waiters, 1-4 ms at 256 on a loaded 2-core box; SQL: the JSON column, payloads included):
 #: the cost grows with the list's length, see docs/performance.md.
 DEFAULT_WAIT_CAP = 256
+#: Default bound on the bytes (UTF-8) of the wake payloads a resource's wait list holds: a claim
+#: whose payload would take the list past it is refused unlisted, as past ``wait_cap``. The SQL
+#: stores keep the list, payloads included, in one column of the lease row that each refused
+#: claim and release reads and rewrites: its cost follows the list's bytes (PostgreSQL: 256
+#: waiters of 20 kB, 5 MB, took 120-230 ms per operation; 128 KiB about 5 ms), so this bounds
+#: it. 128 KiB lists 256 wake messages of 512 bytes (a task with small arguments).
+DEFAULT_WAIT_BYTES_CAP = 128 * 1024
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
 #: waiter behind it; the late one keeps its place).
 DEFAULT_HANDOFF_GRACE = 2.0
@@ -503,6 +512,8 @@ class BaseLeaseStore:
         self.retention = validate_ttl(retention, 3650 * 86400.0, name="retention")
         #: Most waiters a resource's wait list holds.
         self.wait_cap = DEFAULT_WAIT_CAP
+        #: Most bytes (UTF-8) of wake payloads a resource's wait list holds.
+        self.wait_bytes_cap = DEFAULT_WAIT_BYTES_CAP
         #: Seconds the free resource is held for a woken head waiter (see invariant 13).
         self.handoff_grace = DEFAULT_HANDOFF_GRACE
 

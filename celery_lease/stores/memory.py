@@ -157,7 +157,10 @@ class MemoryLeaseStore(BaseLeaseStore):
                 waiter[3] = 0
                 waiter[4] = payload
                 return place
-        if len(waits) >= self.wait_cap:
+        if (
+            len(waits) >= self.wait_cap
+            or _payload_bytes(waits) + len(payload.encode()) > self.wait_bytes_cap
+        ):
             return 0
         waits.append([identity, now, until, 0, payload])
         return len(waits)
@@ -548,3 +551,8 @@ class MemoryLeaseStore(BaseLeaseStore):
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+def _payload_bytes(waits: builtins.list[builtins.list[Any]]) -> int:
+    """The bytes (UTF-8) of the wake payloads in a wait list (bounded by wait_bytes_cap)."""
+    return sum(len(w[4].encode()) for w in waits)

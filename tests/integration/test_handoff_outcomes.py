@@ -140,7 +140,7 @@ def test_a_full_wait_list_leaves_the_claims_beyond_it_to_the_back_off_and_loses_
     assert [r["position"] for r in refusals] == [1, 2] + [None] * OVER, refusals
     # The refusals beyond the cap say so (before: the same words as a claim that never asked
     # to wait, and no log line or metric told a full list from no list).
-    full = f"its wait list is full (wait_cap {CAP})"
+    full = f"its wait list is full (wait_cap {CAP} waiters or wait_bytes_cap "
     assert [full in r["message"] for r in refusals] == [False] * CAP + [True] * OVER, [
         r["message"] for r in refusals
     ]

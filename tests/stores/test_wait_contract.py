@@ -109,6 +109,56 @@ class TestWaitList:
         assert [refused(wstore, r, w).position for w in ("a", "b", "c")] == [1, 2, None]
         assert [w.identity for w in wstore.waiters(r)] == ["a", "b"]
 
+    def test_the_bytes_cap_bounds_the_payloads_a_list_holds(self, wstore, names):
+        """A refused claim whose payload would take the list's payloads past wait_bytes_cap is
+        not queued (position None), like one past wait_cap; nobody listed is dropped, a waiter
+        already listed keeps its place, and a place freed makes room again. Before: any number
+        of bytes joined (on the SQL stores 256 waiters of 20 kB made every refused claim and
+        release rewrite 5 MB: 120-230 ms each on PostgreSQL)."""
+        wstore.wait_bytes_cap = 20  # "payload-a" is 9 bytes: two fit, a third does not
+        r = names + "r"
+        lease = claim(wstore, r, "holder")
+        assert [refused(wstore, r, w).position for w in ("a", "b", "c")] == [1, 2, None]
+        assert refused(wstore, r, "a").position == 1  # re-armed, not dropped
+        assert [w.identity for w in wstore.waiters(r)] == ["a", "b"]
+        wstore.release(lease)
+        assert lease.handoff == "payload-a"
+        claim(wstore, r, "a")  # a leaves the list: room for c
+        assert refused(wstore, r, "c").position == 2
+        assert [w.identity for w in wstore.waiters(r)] == ["b", "c"]
+
+    def test_the_bytes_cap_counts_utf8_bytes(self, wstore, names):
+        """Every store counts a payload's UTF-8 bytes (not characters), so the bound means the
+        same on each: two-byte characters fill the budget twice as fast."""
+        wstore.wait_bytes_cap = 10
+        r = names + "r"
+        claim(wstore, r, "holder")
+        with pytest.raises(LeaseBusyError) as too_big:  # 6 characters, 12 bytes
+            wstore.acquire(r, Owner.new("x"), LONG, identity="x", wait="\u00e9" * 6)
+        assert too_big.value.position is None
+        with pytest.raises(LeaseBusyError) as fits:  # 5 characters, 10 bytes
+            wstore.acquire(r, Owner.new("y"), LONG, identity="y", wait="\u00e9" * 5)
+        assert fits.value.position == 1
+        assert [w.identity for w in wstore.waiters(r)] == ["y"]
+
+    def test_what_a_full_list_keeps_is_bounded_by_its_bytes(self, wstore, names):
+        """Waiters with 2 kB payloads fill the default budget (128 KiB) long before the
+        256-waiter cap: what the store keeps for the list stays within the budget (plus a
+        small fixed part per waiter), however many more claims are refused."""
+        r = names + "r"
+        claim(wstore, r, "holder")
+        payload = "p" * 2000
+        positions = []
+        for k in range(80):
+            with pytest.raises(LeaseBusyError) as busy:
+                wstore.acquire(r, Owner.new(f"w{k}"), LONG, identity=f"w{k}", wait=payload)
+            positions.append(busy.value.position)
+        listed = wstore.wait_bytes_cap // len(payload)
+        assert positions == list(range(1, listed + 1)) + [None] * (80 - listed)
+        payloads, kept = _kept_bytes(wstore, r)
+        assert payloads <= wstore.wait_bytes_cap
+        assert kept <= wstore.wait_bytes_cap + 100 * listed
+
     def test_the_default_cap_lists_a_burst_of_200(self, wstore, names):
         """200 tasks refused at once all get a place: none is left to poll with the back-off.
         Before: past 32 waiters (the old default cap) refused claims were not queued, and a
@@ -397,6 +447,26 @@ def _raw_waits(store, resource):
     lines = raw.decode().count("\n") + 1 if raw else 0
     payloads = sum(1 for k in store.client.hkeys(wpay) if k.decode().startswith(resource + "|"))
     return max(lines, payloads)
+
+
+def _kept_bytes(store, resource):
+    """(bytes of the listed payloads, bytes the store keeps for the list) of ``resource``."""
+    if hasattr(store, "_waits"):  # memory
+        kept = store._waits.get(resource, ())
+        total = sum(len(w[4].encode()) for w in kept)
+        return total, total
+    if hasattr(store, "engine"):  # SQL: the JSON column of the lease row
+        with store.engine.connect() as conn:
+            raw = conn.execute(
+                sa.select(sa.cast(store.leases_table.c.waits, sa.Text)).where(
+                    store.leases_table.c.resource == resource
+                )
+            ).scalar()
+        return sum(len(str(w[4]).encode()) for w in load(raw)), len(raw.encode())
+    waits, wpay = store._keys(store.shard_of(resource), "waits", "wpay")
+    fields = [k for k in store.client.hkeys(wpay) if k.decode().startswith(resource + "|")]
+    total = sum(store.client.hstrlen(wpay, k) for k in fields)
+    return total, total + len(store.client.hget(waits, resource) or b"")
 
 
 class TestWaitRoundTrips:

@@ -187,7 +187,8 @@ ACQUIRE = (
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us),
 -- ARGV[5] identity or '', ARGV[6] retention (us), ARGV[7] wake payload or '' (join the wait
 -- list when refused; needs an identity), ARGV[8] how long the waiter's place is kept (us),
--- ARGV[9] wait list cap, ARGV[10] hand-off grace (us)
+-- ARGV[9] wait list cap, ARGV[10] hand-off grace (us), ARGV[11] the most bytes of wake
+-- payloads the list holds (a new waiter that would pass it, or the cap, is not listed)
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
@@ -249,6 +250,11 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
     end
   end
   if #wl >= tonumber(ARGV[9]) then return 0 end
+  local bytes = #ARGV[7]
+  for _, w in ipairs(wl) do
+    bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. w[1])
+  end
+  if bytes > tonumber(ARGV[11]) then return 0 end
   wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0'}
   redis.call('HSET', KEYS[8], member, ARGV[7])
   dirty = true

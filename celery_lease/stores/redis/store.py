@@ -254,6 +254,7 @@ class RedisLeaseStore(BaseLeaseStore):
             max(1, round(wait_ttl * 1e6)),
             self.wait_cap,
             max(1, round(self.handoff_grace * 1e6)),
+            self.wait_bytes_cap,
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):

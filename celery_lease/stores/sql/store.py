@@ -260,6 +260,7 @@ class SQLLeaseStore(BaseLeaseStore):
             "w": payload or None,
             "wttl": max(1, round(wait_ttl * 1e6)),
             "cap": self.wait_cap,
+            "wbytes": self.wait_bytes_cap,
             "grace": max(1, round(self.handoff_grace * 1e6)),
         }
         claim = self._claim if identity is None else self._claim_identity

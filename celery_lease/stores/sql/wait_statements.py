@@ -20,7 +20,9 @@ read is ``FOR UPDATE``), which stay as the fallback for a database without them.
 
 Parameters: ``r`` resource, ``t`` owner token, ``l`` label, ``ttl`` (us), ``i`` identity or
 NULL, ``w`` wake payload or NULL, ``wttl`` how long a place is kept (us), ``cap`` wait list cap,
-``grace`` hand-off grace (us). A waiter is ``[identity, since, expires, woken_until, payload]``.
+``grace`` hand-off grace (us), ``wbytes`` the most bytes of payloads a list holds (a join
+that would pass it, or ``cap``, is refused unlisted). A waiter is
+``[identity, since, expires, woken_until, payload]``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
     (the holder runs this identity); ``not_done`` a condition that the identity is not done."""
     i, w, grace = f"{p('i')}::varchar", f"{p('w')}::text", f"{p('grace')}::bigint"
     wttl, cap = f"{p('wttl')}::bigint", f"{p('cap')}::bigint"
+    wbytes = f"{p('wbytes')}::bigint"
     write = """
             waits = CASE WHEN n.list = '[]'::jsonb THEN NULL ELSE n.list END,
             wait_slow_us = CASE WHEN n.list = '[]'::jsonb OR n.slow = 0 THEN NULL
@@ -81,6 +84,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                     WHERE (wl.e->>3)::bigint BETWEEN 1 AND k.us) + 10 * {grace}, 0)) AS slow,
                 h.e AS head, h.pos AS hpos,
                 (SELECT count(*) FROM lw) AS cnt,
+                (SELECT coalesce(sum(octet_length(lw.e->>4)), 0) FROM lw) AS bytes,
                 (SELECT lw.pos FROM lw WHERE lw.e->>0 = {i}) AS mine
             FROM cur AS c CROSS JOIN clk AS k
             LEFT JOIN LATERAL (
@@ -100,7 +104,9 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
             SELECT dec.*,
                 dec.verdict IN ('busy', 'held') AND {w} IS NOT NULL AND {i} IS NOT NULL
                     AND NOT (dec.verdict = 'busy' AND {duplicate}) AS joins,
-                dec.verdict = 'held' AND (dec.head->>3)::bigint = 0 AS wakes
+                dec.verdict = 'held' AND (dec.head->>3)::bigint = 0 AS wakes,
+                dec.cnt < {cap} AND dec.bytes + coalesce(octet_length({w}), 0) <= {wbytes}
+                    AS fits
             FROM dec),
         nl AS (
             SELECT act.*, coalesce((
@@ -113,7 +119,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                     ELSE x.e END ORDER BY x.pos)
                 FROM lw AS x
                 WHERE act.verdict <> 'claim' OR x.e->>0 IS DISTINCT FROM {i}), '[]'::jsonb)
-              || CASE WHEN act.joins AND act.mine IS NULL AND act.cnt < {cap}
+              || CASE WHEN act.joins AND act.mine IS NULL AND act.fits
                  THEN jsonb_build_array(
                      jsonb_build_array({i}, act.now, act.now + {wttl}, 0, {w}))
                  ELSE '[]'::jsonb END AS list
@@ -145,8 +151,8 @@ def hand_off_columns(p: Callable[[str], str]) -> str:
     queued), the payload of the waiter this claim woke, and the waiter held for (and until
     when) when refused for a hand-off."""
     return f"""
-            CASE WHEN h.joins THEN coalesce(h.mine, CASE WHEN h.cnt < {p("cap")}::bigint
-                 THEN h.cnt + 1 ELSE 0 END) ELSE 0 END,
+            CASE WHEN h.joins THEN coalesce(h.mine, CASE WHEN h.fits THEN h.cnt + 1 ELSE 0 END)
+                 ELSE 0 END,
             CASE WHEN h.wakes THEN h.head->>4 END,
             CASE WHEN h.verdict = 'held' THEN h.head->>0 END,
             CASE WHEN h.wakes THEN h.now + {p("grace")}::bigint
@@ -212,6 +218,7 @@ SETTLE_ARGS = (
     ("w", "text"),
     ("wttl", "bigint"),
     ("cap", "bigint"),
+    ("wbytes", "bigint"),
     ("grace", "bigint"),
     ("now", "bigint"),
     ("running", "bigint"),
@@ -219,6 +226,8 @@ SETTLE_ARGS = (
     ("was_token", "varchar"),
     ("check_was", "boolean"),
 )
+#: How many of SETTLE_ARGS are the claim's own parameters (the rest come from the statement).
+CLAIM_ARGS = [name for name, _ in SETTLE_ARGS].index("now")
 #: What the settling function returns (as ``SETOF record``, shaped by :func:`settle_call`): the
 #: new lease (``took``), then the lease row as it stood, then :func:`hand_off_columns`.
 SETTLE_COLUMNS = (
@@ -303,7 +312,7 @@ def functions(t: str, prefix: str, now: str, quote: Callable[[str], str]) -> Fun
 def settle_call(fn: str, p: Callable[[str], str], running: str, was: tuple[str, str, str]) -> str:
     """The call of the settling function ``fn`` in a claim statement, its clock from ``clk``;
     ``running`` and ``was`` (fence, holder, check) are SQL for the last four arguments."""
-    claim_args = ", ".join(f"{p(name)}::{kind}" for name, kind in SETTLE_ARGS[:9])
+    claim_args = ", ".join(f"{p(name)}::{kind}" for name, kind in SETTLE_ARGS[:CLAIM_ARGS])
     # (its rows' shape is given here, not by the function: PostgreSQL would otherwise rebuild
     # it from the catalog on every claim, called or not)
     return (

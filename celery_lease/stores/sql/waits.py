@@ -88,8 +88,11 @@ class Waits:
                 return held
         return None
 
-    def join(self, identity: str, payload: str, until: int, now: int, cap: int) -> int:
-        """Put ``identity`` at the back, or keep and refresh its place; its place (0: full).
+    def join(
+        self, identity: str, payload: str, until: int, now: int, cap: int, bytes_cap: int
+    ) -> int:
+        """Put ``identity`` at the back, or keep and refresh its place; its place (0: the list
+        is full: ``cap`` places, or its payloads would pass ``bytes_cap`` bytes).
 
         A waiter refused again (a woken copy too late or beaten to it, or a back-stop copy)
         is re-armed: the next release wakes it again."""
@@ -100,10 +103,14 @@ class Waits:
             entry[3] = 0
             entry[4] = payload
             return place
-        if len(self.places) >= cap:
+        if len(self.places) >= cap or self.payload_bytes() + len(payload.encode()) > bytes_cap:
             return 0
         self.places.append([identity, now, until, 0, payload])
         return len(self.places)
+
+    def payload_bytes(self) -> int:
+        """The bytes (UTF-8) of the listed wake payloads."""
+        return sum(len(str(e[4]).encode()) for e in self.places)
 
 
 def wake(entry: Place, until: int) -> None:
@@ -146,6 +153,7 @@ def decide(
     duplicate: bool,
     wait_ttl_us: int,
     cap: int,
+    bytes_cap: int,
     grace_us: int,
 ) -> Settled:
     """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now)."""
@@ -169,7 +177,7 @@ def decide(
     if verdict == "mine":
         return settled
     if payload is not None and identity is not None and not (verdict == "busy" and duplicate):
-        settled.position = waits.join(identity, payload, now + wait_ttl_us, now, cap)
+        settled.position = waits.join(identity, payload, now + wait_ttl_us, now, cap, bytes_cap)
         settled.write = True
     if verdict == "held" and head is not None and head[3] == 0:  # nobody woke it: wake it now
         wake(head, now + grace_us)
@@ -209,6 +217,7 @@ def settle(
         duplicate=duplicate,
         wait_ttl_us=params["wttl"],
         cap=params["cap"],
+        bytes_cap=params["wbytes"],
         grace_us=params["grace"],
     )
     if settled.verdict == "claim":
