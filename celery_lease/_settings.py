@@ -16,6 +16,7 @@ from ._errors import LeaseConfigError
 from ._names import did_you_mean, mask_url, show_value
 
 __all__ = [
+    "DEFAULT_HANDOFF_MAX_PAYLOAD",
     "DEFAULT_MARGIN_FRACTION",
     "DEFAULT_RENEW_FRACTION",
     "DEFAULT_RETENTION",
@@ -41,6 +42,10 @@ DEFAULT_RENEW_FRACTION = 1 / 3
 DEFAULT_MARGIN_FRACTION = 0.25
 #: Seconds identity, ledger and checkpoint records are kept after their last write (7 days).
 DEFAULT_RETENTION = 7 * 86400.0
+#: Most bytes of a wake message (the task's message sent again when it is woken) that joins a
+#: wait list: a store keeps at most 128 KiB of them per list (``wait_bytes_cap``), so a bigger
+#: one would crowd out a list of small ones. A task with small arguments sends about 500 bytes.
+DEFAULT_HANDOFF_MAX_PAYLOAD = 8192
 
 
 class Resolved:  # a namespace: one attribute read per call, as cheap as a global
@@ -83,6 +88,7 @@ class LeaseSettings:
     send_events: bool = True
     dedup: bool = True
     handoff: bool = True
+    handoff_max_payload: int = DEFAULT_HANDOFF_MAX_PAYLOAD
     retention: float = DEFAULT_RETENTION
 
     def __repr__(self) -> str:
@@ -175,6 +181,15 @@ class LeaseSettings:
                     raise LeaseConfigError(
                         f"lease_{name}={show_value(value)} must be a whole number >= 0"
                     )
+        if "handoff_max_payload" in values:
+            value = values["handoff_max_payload"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LeaseConfigError(
+                    f"lease_handoff_max_payload={show_value(value)} must be a whole number of "
+                    f"bytes >= 1 (default {DEFAULT_HANDOFF_MAX_PAYLOAD}); a task whose wake "
+                    "message is bigger waits with the back-off instead of in the wait list; "
+                    "to keep every task out of the wait list set lease_handoff=False"
+                )
         if values.get("on_busy", "retry") not in ON_BUSY:
             raise LeaseConfigError(
                 f"lease_on_busy={show_value(values['on_busy'])} must be one of "
@@ -356,5 +371,7 @@ SETTINGS_DOC = {
     "returns its result instead of running (True)",
     "handoff": "a busy task joins the resource's FIFO wait list and is woken at release "
     "(Redis and memory stores; needs an identity and on_busy='retry') (True)",
+    "handoff_max_payload": "most bytes of a task's wake message (its message, sent again when "
+    "woken) for it to join the wait list; a bigger one waits with the back-off (8192)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
 }

@@ -171,6 +171,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_send_events: bool | None = None
     lease_dedup: bool | None = None
     lease_handoff: bool | None = None
+    lease_handoff_max_payload: int | None = None
     lease_retention: float | None = None
 
     _lease_settings_cache: tuple[int, LeaseSettings] | None = None  # (Resolved.generation, ..)
@@ -321,9 +322,12 @@ class LeaseTask(Task):  # type: ignore[misc]
         owner = Owner.fresh(_owner_label(request))
         renewer = get_renewer()
         renewer.prepare(store)  # the renewal connection opens while the claim runs
-        wait = None
+        wait, too_large = None, 0
         if settings.handoff and identity is not None and settings.on_busy == "retry" and not direct:
             wait = self._wake_payload(request, args, kwargs, settings)
+            # (ASCII-only JSON: its length is its size in bytes)
+            if wait is not None and len(wait[0]) > settings.handoff_max_payload:
+                too_large, wait = len(wait[0]), None  # not listed: waits with the back-off
         claim_started = _clock.monotonic()
         try:
             if wait is None:
@@ -344,7 +348,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             _observe_acquire(claim_started, "busy")
             # (every store of this package has a wait_cap; a third-party one may not)
             cap = None if wait is None else _wait_bounds(store)
-            return self._lease_busy(busy, settings, wait_cap=cap)
+            return self._lease_busy(busy, settings, wait_cap=cap, too_large=too_large)
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
@@ -662,10 +666,15 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(
-        self, busy: LeaseBusyError, settings: LeaseSettings, wait_cap: str | None = None
+        self,
+        busy: LeaseBusyError,
+        settings: LeaseSettings,
+        wait_cap: str | None = None,
+        too_large: int = 0,
     ) -> Any:
         """A refused claim: wait (re-queue), fail or skip; ``wait_cap`` tells the store's wait
-        list bounds when the claim asked to join the wait list (None when it did not)."""
+        list bounds when the claim asked to join the wait list (None when it did not);
+        ``too_large`` the size of a wake message too big to ask (0: none)."""
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
         if request.is_eager or request.called_directly:
@@ -691,7 +700,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 "longer)",
                 *busy.args[1:],
             )
-        full = None
+        full = too_big = None
         if busy.position:  # queued: the release wakes it; this copy is the back-stop
             events.observe("celery_lease_wait_list_length", float(busy.position))
             delay = self._backstop_delay(waits, settings)
@@ -708,6 +717,17 @@ class LeaseTask(Task):  # type: ignore[misc]
                     "not in the list)",
                     *busy.args[1:],
                 )
+            elif too_large and not duplicate:
+                # It would have waited in the list but its wake message is over the bound:
+                # say so, as for a full list (else it reads like a claim that never asked).
+                too_big = f"{too_large} > {settings.handoff_max_payload} bytes"
+                events.count("celery_lease_wait_payload_too_large_total")
+                busy = LeaseBusyError(
+                    f"{busy} (its wake message is {too_large} bytes, over "
+                    f"lease_handoff_max_payload={settings.handoff_max_payload}: waiting with "
+                    "the back-off, not in the wait list)",
+                    *busy.args[1:],
+                )
         events.count("celery_lease_busy_waits_total")
         self._log(
             "busy",
@@ -721,6 +741,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             duplicate=duplicate or None,
             position=busy.position,
             wait_list_full=full,
+            wait_payload_too_large=too_big,
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         # The store answered: a later outage starts its own budget.

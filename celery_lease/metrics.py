@@ -72,6 +72,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "with the back-off instead)",
         (),
     ),
+    "celery_lease_wait_payload_too_large_total": (
+        "Refused claims of tasks whose wake message is over lease_handoff_max_payload: they "
+        "did not ask to join the wait list and wait with the back-off instead",
+        (),
+    ),
     "celery_lease_duplicates_total": (
         "Deliveries of work already completed, suppressed (not run again)",
         (),

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 
 import pytest
 from celery import Celery
+from celery.exceptions import Retry
 
-from celery_lease import lease_task, metrics
+from celery_lease import LeaseBusyError, LeaseConfigError, Owner, lease_task, metrics
+from celery_lease._app import get_store
+from celery_lease._settings import LeaseSettings
 from celery_lease._task import WAITS_HEADER, WOKEN_HEADER
+from tests.conftest import unique
 
 
 @pytest.fixture
@@ -119,3 +125,87 @@ class TestWakeOptions:
         payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
         headers = json.loads(payload)["options"]["headers"]
         assert headers == {WAITS_HEADER: 3, "custom": "kept"}
+
+
+@pytest.fixture(
+    params=("memory", "redis", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres))
+)
+def bound_app(request, tmp_path):
+    """An app on each store whose tasks may wake-list messages of at most 600 bytes."""
+    app = Celery(unique("bound"), broker="memory://", backend="cache+memory://")
+    if request.param == "memory":
+        app.conf.lease_store_url = "memory://"
+    elif request.param == "sqlite":
+        app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+    else:
+        app.conf.lease_store_url = request.getfixturevalue(f"{request.param}_server").url
+        app.conf.lease_key_prefix = f"{unique('cl')}:"
+        app.conf.lease_table_prefix = f"{unique('cl')}_"
+    app.conf.lease_handoff_max_payload = 600
+    yield app
+    with contextlib.suppress(Exception):
+        get_store(app).close()
+
+
+class TestWakeMessageBound:
+    """A task whose wake message is over lease_handoff_max_payload does not join the wait list:
+    it waits with the back-off, and says so (message, log field, metric), on every store."""
+
+    @staticmethod
+    def _deliver(task, blob):
+        task.push_request(
+            id=unique("task"),
+            args=(blob,),
+            kwargs={},
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "q1"},
+            headers={WAITS_HEADER: 0},
+        )
+        try:
+            with pytest.raises(Retry) as caught:
+                task(blob)
+        finally:
+            task.pop_request()
+        exc = caught.value.exc
+        assert isinstance(exc, LeaseBusyError)
+        return exc
+
+    def test_a_message_over_the_bound_waits_with_the_back_off_and_says_so(self, bound_app, caplog):
+        r = unique("bound")  # (busy lines are logged once per resource and holder per 10 s)
+
+        @lease_task(app=bound_app, resource=r, name=unique("bound.t"))
+        def t(blob):
+            raise AssertionError("the body must not run while another owner holds the lease")
+
+        store = get_store(bound_app)
+        held = store.acquire(r, Owner.new("other"), 30, identity="other-job")
+        key = "celery_lease_wait_payload_too_large_total"
+        before = metrics.snapshot().get(key, 0)
+        with caplog.at_level(logging.INFO, logger="celery_lease"):
+            big = self._deliver(t, "x" * 1000)
+        assert big.position is None
+        assert "its wake message is " in str(big)
+        assert "bytes, over lease_handoff_max_payload=600: waiting with the back-off" in str(big)
+        assert metrics.snapshot().get(key, 0) == before + 1
+        assert "wait_payload_too_large=" in caplog.text
+        assert store.waiters(r) == []  # nothing listed, nothing dropped: its copy waits
+        # Control: a small message joins the list as before, and is not counted.
+        small = self._deliver(t, "x")
+        assert small.position == 1 and "lease_handoff_max_payload" not in str(small)
+        assert metrics.snapshot().get(key, 0) == before + 1
+        assert len(store.waiters(r)) == 1
+        store.release(held)
+
+
+class TestHandoffMaxPayloadSetting:
+    @pytest.mark.parametrize("value", [0, -1, "8k", 1.5, True])
+    def test_a_bad_value_names_itself_and_the_fix(self, value):
+        with pytest.raises(LeaseConfigError) as caught:
+            LeaseSettings.resolve(None, {"handoff_max_payload": value})
+        message = str(caught.value)
+        assert f"lease_handoff_max_payload={value!r}" in message
+        assert "whole number of bytes >= 1" in message and "lease_handoff=False" in message
+
+    def test_the_default_lists_a_task_with_small_arguments(self):
+        assert LeaseSettings().handoff_max_payload == 8192
