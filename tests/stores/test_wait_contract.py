@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -467,6 +468,77 @@ def _kept_bytes(store, resource):
     fields = [k for k in store.client.hkeys(wpay) if k.decode().startswith(resource + "|")]
     total = sum(store.client.hstrlen(wpay, k) for k in fields)
     return total, total + len(store.client.hget(waits, resource) or b"")
+
+
+class TestFullListWrites:
+    @pytest.mark.parametrize(
+        "kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+    )
+    def test_a_claim_refused_unlisted_rewrites_nothing(self, kind, request, tmp_path, names):
+        """A newcomer refused at a full list changes nothing, so the SQL stores write nothing:
+        each such refusal (every back-off retry of a task past the bound) skips rewriting the
+        list column. Before: it wrote the whole list back (at the bytes bound, about 5 ms on
+        PostgreSQL). Negative control: a listed waiter refused again (re-armed) is written."""
+        store = make_store(kind, request, tmp_path)
+        try:
+            store.wait_cap = 2
+            r = names + "r"
+            claim(store, r, "holder")
+            refused(store, r, "a")
+            refused(store, r, "b")
+            with _row_writes(store, r) as writes:
+                for k in range(3):
+                    assert refused(store, r, f"late{k}").position is None
+                assert writes() == 0
+                assert refused(store, r, "a").position == 1  # re-armed: written
+                assert writes() == 1
+            assert [w.identity for w in store.waiters(r)] == ["a", "b"]
+        finally:
+            store.close()
+
+
+@contextlib.contextmanager
+def _row_writes(store, resource):
+    """Count the writes of ``resource``'s lease row from here on (PostgreSQL: its xmin moves
+    with each UPDATE; SQLite: a trigger counts them)."""
+    table = store.leases_table.name
+    if store.engine.dialect.name == "postgresql":
+        query = sa.text(f'SELECT xmin::text FROM "{table}" WHERE resource = :r')
+        seen = []
+
+        def version():
+            with store.engine.connect() as conn:
+                return conn.execute(query, {"r": resource}).scalar()
+
+        seen.append(version())
+
+        def writes():
+            now = version()
+            if now != seen[-1]:
+                seen.append(now)
+            return len(seen) - 1
+
+        yield writes
+        return
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE IF NOT EXISTS wcount (n INTEGER)"))
+        conn.execute(sa.text("DELETE FROM wcount"))
+        conn.execute(
+            sa.text(
+                f'CREATE TRIGGER IF NOT EXISTS wcount_t AFTER UPDATE ON "{table}" '
+                "WHEN NEW.resource = '" + resource + "' BEGIN INSERT INTO wcount VALUES (1); END"
+            )
+        )
+
+    def counted():
+        with store.engine.connect() as conn:
+            return conn.execute(sa.text("SELECT count(*) FROM wcount")).scalar()
+
+    try:
+        yield counted
+    finally:
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("DROP TRIGGER IF EXISTS wcount_t"))
 
 
 class TestWaitRoundTrips:

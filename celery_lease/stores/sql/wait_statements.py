@@ -137,7 +137,8 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                     WHEN u.owner_token IS NULL THEN NULL ELSE u.fence END,{write}
             FROM (SELECT nl.*, nl.verdict = 'claim' AS took FROM nl) AS n
             WHERE u.resource = {p("r")}
-              AND (SELECT v.verdict = 'claim' OR v.joins OR v.wakes FROM nl AS v)
+              AND (SELECT v.verdict = 'claim' OR v.wakes
+                          OR (v.joins AND (v.mine IS NOT NULL OR v.fits)) FROM nl AS v)
             RETURNING n.took, u.fence, u.acquired_us, u.expires_us, u.prev_label,
                       u.prev_fence),
         claimed AS (

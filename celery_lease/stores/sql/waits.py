@@ -178,7 +178,9 @@ def decide(
         return settled
     if payload is not None and identity is not None and not (verdict == "busy" and duplicate):
         settled.position = waits.join(identity, payload, now + wait_ttl_us, now, cap, bytes_cap)
-        settled.write = True
+        # Refused unlisted, the list is as it was (lapsed places and a missed wake are read
+        # again from it): no rewrite, which at a full list is the cost of the refusal.
+        settled.write = settled.position != 0
     if verdict == "held" and head is not None and head[3] == 0:  # nobody woke it: wake it now
         wake(head, now + grace_us)
         settled.wake = head[4]
