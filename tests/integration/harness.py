@@ -364,10 +364,15 @@ def backend_meta(app: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def wait_success(
-    app: Any, ids: list[str], timeout: float, tick: Callable[[], None] | None = None
+    app: Any,
+    ids: list[str],
+    timeout: float,
+    tick: Callable[[], None] | None = None,
+    explain: Callable[[list[str]], str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Wait until every task id is SUCCESS (a FAILURE fails at once); ``tick`` runs between
-    polls (a nemesis, say). Returns the records."""
+    polls (a nemesis, say). Returns the records. On a timeout, ``explain(pending ids)`` (see
+    :func:`explain_stuck`) is added to the error."""
     deadline = time.monotonic() + timeout
     next_poll = 0.0
     while True:
@@ -380,11 +385,64 @@ def wait_success(
             failed = [metas[i] for i in pending if metas[i]["status"] == "FAILURE"]
             assert not failed, f"{len(failed)} tasks failed, e.g. {failed[:2]}"
             if now > deadline:
-                raise TimeoutError(f"{len(pending)} tasks not SUCCESS, e.g. {pending[:5]}")
+                why = "" if explain is None else "\n" + explain(pending)
+                raise TimeoutError(f"{len(pending)} tasks not SUCCESS, e.g. {pending[:5]}{why}")
             next_poll = now + 0.25
         if tick is not None:
             tick()
         time.sleep(0.01)
+
+
+def explain_stuck(
+    app: Any,
+    ids: list[str],
+    *,
+    workers: list[Worker],
+    store: LeaseStore | None = None,
+    resources: dict[str, str] | None = None,
+    limit: int = 3,
+    tail: int = 40,
+) -> str:
+    """Why tasks did not finish: for each of the first ``limit`` ids, its result state, the
+    worker log lines naming it, where its message is in the Redis broker (waiting in a queue
+    list, delivered and unacked, or in neither: lost), and, given the ``store`` and the task's
+    resource, the lease and identity records there. Then the broker-side trouble each worker
+    logged and the tail of its log."""
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    try:
+        queued: list[tuple[str, bytes]] = []
+        for key in broker.scan_iter(count=1000):
+            if broker.type(key) == b"list":
+                queued += [(key.decode(errors="replace"), raw) for raw in broker.lrange(key, 0, -1)]
+        unacked = broker.hgetall("unacked")
+    finally:
+        broker.close()
+    logs = {w.name: w.log() for w in workers}  # the log file, then stderr
+    metas = backend_meta(app, ids[:limit])
+    out = [f"{len(ids)} tasks not finished; the first {min(limit, len(ids))}:"]
+    for task_id in ids[:limit]:
+        tag = task_id.encode()
+        where = [f"waiting in list {key!r}" for key, raw in queued if tag in raw]
+        where += [f"unacked (tag {t.decode()})" for t, raw in unacked.items() if tag in raw]
+        out.append(f"- {task_id}: state {metas[task_id]['status']}; broker: {where or 'absent'}")
+        resource = (resources or {}).get(task_id)
+        if store is not None and resource is not None:
+            out.append(
+                f"    store: lease {store.get(resource)}; "
+                f"identity {store.identity_get(resource, task_id)}"
+            )
+        for name, text in logs.items():
+            lines = [line for line in text.splitlines() if task_id in line]
+            out.append(f"    {name} log: {len(lines)} lines")
+            out += [f"      {line}" for line in lines]
+    trouble = ("Couldn't ack", "Connection to broker lost", "Restoring", "CRITICAL", "ERROR")
+    for name, text in logs.items():
+        lines = text.splitlines()
+        counts = {t: sum(t in line for line in lines) for t in trouble}
+        own = [line for line in lines if line.startswith("[")]  # (log records, not stderr)
+        out.append(f"{name} log: {counts}; its last {tail} records:")
+        out += [f"  {line}" for line in own[-tail:]]
+    return "\n".join(out)
 
 
 def prepare_store(env: dict[str, str]) -> None:

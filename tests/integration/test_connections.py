@@ -24,7 +24,7 @@ import redis
 from sqlalchemy.engine import make_url
 
 from tests.conftest import unique
-from tests.integration.harness import wait_success
+from tests.integration.harness import explain_stuck, wait_success, worker_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -160,16 +160,28 @@ class TestGevent:
         # same 50 greenlets (and the same bound) without the wait.
         extra = ("--prefetch-multiplier", "8")
         env = _env(kind, conns, store_env)
-        start_worker(env, queue=queue, pool="gevent", concurrency=50, extra_args=extra)
+        worker = start_worker(env, queue=queue, pool="gevent", concurrency=50, extra_args=extra)
         began = time.monotonic()
         run_sequential(it_app, queue, conns, TASKS, SEQUENTIAL_BOUND)
         sequential_peak, sequential_took = conns.peak, time.monotonic() - began
         results = [it_app.touch.apply_async((i, 0.02), queue=queue) for i in range(TASKS)]
+        resources = {r.id: f"conn-{i}" for i, r in enumerate(results)}
+
+        def explain(pending: list[str]) -> str:
+            store = worker_store(env)  # only now: it would count as one of the workers'
+            try:
+                return explain_stuck(
+                    it_app.app, pending, workers=[worker], store=store, resources=resources
+                )
+            finally:
+                store.close()
+
         wait_success(
             it_app.app,
             [r.id for r in results],
             timeout=120,
             tick=conns.every(0.05, CONCURRENT_BOUND, "a burst of concurrent tasks"),
+            explain=explain,
         )
         after = conns.check(CONCURRENT_BOUND, f"{TASKS} concurrent tasks")
         print(
