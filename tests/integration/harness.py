@@ -393,6 +393,20 @@ def wait_success(
         time.sleep(0.01)
 
 
+#: What a worker logs when an ack failed or its broker connection dropped: the message stays
+#: unacked until the visibility timeout (an hour by default) or the worker's shutdown.
+BROKER_TROUBLE = ("Couldn't ack", "Couldn't reject", "Connection to broker lost")
+
+
+def broker_trouble(worker: Worker) -> list[str]:
+    """The worker's log records of failed acks and lost broker connections."""
+    return [
+        line
+        for line in worker.log().splitlines()
+        if line.startswith("[") and any(t in line for t in BROKER_TROUBLE)
+    ]
+
+
 def explain_stuck(
     app: Any,
     ids: list[str],
@@ -435,7 +449,7 @@ def explain_stuck(
             lines = [line for line in text.splitlines() if task_id in line]
             out.append(f"    {name} log: {len(lines)} lines")
             out += [f"      {line}" for line in lines]
-    trouble = ("Couldn't ack", "Connection to broker lost", "Restoring", "CRITICAL", "ERROR")
+    trouble = (*BROKER_TROUBLE, "Restoring", "CRITICAL", "ERROR")
     for name, text in logs.items():
         lines = text.splitlines()
         counts = {t: sum(t in line for line in lines) for t in trouble}

@@ -124,6 +124,24 @@ def _under_gevent() -> bool:
     return bool(monkey is not None and monkey.is_anything_patched())
 
 
+@signals.worker_init.connect
+def _broker_pool_per_greenlet(sender: Any = None, **_: Any) -> None:
+    """Under gevent, a connection in the broker's pool for each greenlet that may ack at once.
+
+    Celery 5.7 acks a finished task from its own greenlet (``Consumer.call_soon_ack``), and
+    the Redis transport's pool of a channel holds ``max_connections`` (10 by default) and
+    raises ``MaxConnectionsError`` past that instead of waiting: in a burst on ``-c 50``, acks
+    failed ("Couldn't ack"), their messages stayed unacked until the visibility timeout, and
+    once the error hit the consumer itself ("Connection to broker lost") a message fetched
+    around the reconnection was stranded: the 1 task in 500 that never ran.
+    """
+    if sender is None or not _under_gevent() or env.get("CL_BROKER_POOL") == "default":
+        return  # (CL_BROKER_POOL=default: the negative control of test_connections.py)
+    options = dict(app.conf.broker_transport_options or {})
+    options.setdefault("max_connections", int(sender.concurrency) + 10)
+    app.conf.broker_transport_options = options
+
+
 @signals.worker_process_shutdown.connect
 def _pool_child_exits_now(exitcode: Any = None, **_: Any) -> None:
     if isinstance(exitcode, int):
@@ -557,6 +575,18 @@ def touch(n: int, hold: float = 0.0) -> int:
     """Claims conn-<n>, holds it ``hold`` s and releases it: store calls and nothing else."""
     if hold:
         time.sleep(hold)
+    return current_lease().fence
+
+
+@lease_task(app=app, resource="conn-{n}")
+def touch_together(n: int, go: str, timeout: float = 60.0) -> int:
+    """Claims conn-<n>, reports ``waiting`` and blocks until the test pushes to list ``go``
+    (once per task): tasks let go by one push end, and ack, at the same moment."""
+    report("waiting", res=n)
+    deadline = time.monotonic() + timeout
+    while not coord().blpop([go], timeout=2):  # (below the client's socket timeout)
+        if time.monotonic() > deadline:
+            raise TimeoutError(go)
     return current_lease().fence
 
 
