@@ -44,7 +44,7 @@ DEFAULT_MARGIN_FRACTION = 0.25
 DEFAULT_RETENTION = 7 * 86400.0
 #: Most bytes of a wake message (the task's message sent again when it is woken) that joins a
 #: wait list: a store keeps at most 128 KiB of them per list (``wait_bytes_cap``), so a bigger
-#: one would crowd out a list of small ones. A task with small arguments sends about 500 bytes.
+#: one would crowd out a list of small ones. A task with small arguments sends about 360 bytes.
 DEFAULT_HANDOFF_MAX_PAYLOAD = 8192
 
 

@@ -188,7 +188,8 @@ DEFAULT_WAIT_CAP = 256
 #: stores keep the list, payloads included, in one column of the lease row that each refused
 #: claim and release reads and rewrites: its cost follows the list's bytes (PostgreSQL: 256
 #: waiters of 20 kB, 5 MB, took 120-230 ms per operation; 128 KiB about 5 ms), so this bounds
-#: it. 128 KiB lists 256 wake messages of 512 bytes (a task with small arguments).
+#: it. 128 KiB lists 256 wake messages of 512 bytes (a task with three small arguments sends
+#: about 360: task name, arguments, ids, queue, headers).
 DEFAULT_WAIT_BYTES_CAP = 128 * 1024
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
 #: waiter behind it; the late one keeps its place).
