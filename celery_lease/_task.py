@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import json.encoder
 import logging
 import os
 import random
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import Task, shared_task
 from celery._state import _task_stack
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import _clock, metrics
@@ -118,7 +120,6 @@ _RELEASES = metrics.Series("c", "celery_lease_releases_total")
 _HOLD_SECONDS = metrics.Series("h", "celery_lease_hold_seconds")
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
-_compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def current_lease() -> Lease:
@@ -608,7 +609,8 @@ class LeaseTask(Task):  # type: ignore[misc]
 
         This runs on every claim of a waiting-capable task, refused or not, so it reads the
         request's fields directly (what ``signature_from_request()`` would send, without the
-        options that are None) and dumps the message once with a reused encoder.
+        options that are None), dumps the message once with a prepared encoder, and works out
+        the place's lifetime once per number of waits.
         """
         if request.is_eager or request.id is None:
             return None
@@ -620,33 +622,46 @@ class LeaseTask(Task):  # type: ignore[misc]
         if waits >= settings.busy_max_waits:
             return None  # this attempt gives up if refused: it must not leave a place to wake
         options = _execution_options(request)
-        headers = {k: v for k, v in headers.items() if k not in _WAKE_DROPPED} if headers else {}
-        headers[WAITS_HEADER] = waits + 1
+        if headers:
+            headers = {k: v for k, v in headers.items() if k not in _WAKE_DROPPED}
+            headers[WAITS_HEADER] = waits + 1
+        else:
+            headers = {WAITS_HEADER: waits + 1}
         options["headers"] = headers
         options["retries"] = request.retries or 0
         if request.ignore_result or self.ignore_result:
             options["ignore_result"] = True
         delivery = request.delivery_info
         if delivery:
-            if delivery.get("priority") is not None:
-                options["priority"] = delivery["priority"]
-            exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
-            if exchange == "" and routing_key:
+            priority = delivery.get("priority")
+            if priority is not None:
+                options["priority"] = priority
+            routing_key = delivery.get("routing_key")
+            if routing_key and delivery.get("exchange") == "":
                 options["queue"] = routing_key
             else:
-                options.update((k, v) for k, v in delivery.items() if v is not None)
+                options.update({k: v for k, v in delivery.items() if v is not None})
         try:
-            payload = _compact_json(
+            payload = _dump_json(
                 {"task": self.name, "args": args, "kwargs": kwargs, "options": options}
             )
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return None
-        # The longest back-stop delay (the jitter only shortens it): the place outlives it.
-        cap = self._busy_cap(settings)
-        longest = min(
-            cap, max(min(cap, settings.busy_backoff_base * 2 ** min(waits, 30)), settings.ttl)
-        )
-        return payload, longest + settings.ttl + 10.0
+        return payload, self._wait_ttl(waits, settings)
+
+    def _wait_ttl(self, waits: int, settings: LeaseSettings) -> float:
+        """How long a waiter's place is kept: past its longest back-stop delay (the jitter
+        only shortens it), worked out once per number of waits (per process and settings)."""
+        compiled = self._compiled()
+        cache = compiled.wait_ttls if compiled.settings is settings else {}
+        keep = cache.get(waits)
+        if keep is None:
+            cap = self._busy_cap(settings)
+            longest = min(
+                cap, max(min(cap, settings.busy_backoff_base * 2 ** min(waits, 30)), settings.ttl)
+            )
+            keep = cache[waits] = longest + settings.ttl + 10.0
+        return keep
 
     def _wake(self, payload: str, resource: str, by: str) -> None:
         """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
@@ -979,6 +994,7 @@ class _TaskSetup:
         "resource",
         "settings",
         "store",
+        "wait_ttls",
     )
 
     def __init__(self, task: LeaseTask) -> None:
@@ -992,6 +1008,7 @@ class _TaskSetup:
         self.generation = Resolved.generation  # (forget_resolved_settings() makes a new one)
         self.settings = task.lease_settings
         self.busy_cap: float | None = None  # (see LeaseTask._busy_cap)
+        self.wait_ttls: dict[int, float] = {}  # waits -> a waiter's place lifetime (_wait_ttl)
         self.store: LeaseStore | None = None  # made at the first claim (current_store)
         signature = inspect.signature(task.run)
         resource = _raw_attr(task, "lease_resource")
@@ -1119,11 +1136,24 @@ _EXECUTION_OPTIONS = (
 
 def _execution_options(request: Any) -> dict[str, Any]:
     """``request.as_execution_options()`` without the None values, headers and retries."""
-    options = {}
-    for option, attribute in _EXECUTION_OPTIONS:
-        value = getattr(request, attribute, None)
-        if value is not None:
-            options[option] = value
+    values = getattr(request, "__dict__", None)
+    if type(request) is Context and values is not None:
+        # A worker's request holds what its message set in its __dict__ (most of it None);
+        # the rest are the class's defaults, of which only some are not None.
+        options = {
+            _OPTION_OF[attribute]: value
+            for attribute, value in values.items()
+            if value is not None and attribute in _OPTION_OF
+        }
+        for attribute, default in _CONTEXT_DEFAULTS:
+            if attribute not in values:
+                options[_OPTION_OF[attribute]] = default
+    else:
+        options = {}
+        for option, attribute in _EXECUTION_OPTIONS:
+            value = getattr(request, attribute, None)
+            if value is not None:
+                options[option] = value
     timelimit = request.timelimit
     if timelimit:
         hard, soft = timelimit
@@ -1149,6 +1179,37 @@ def _wait_bounds(store: Any) -> str:
     if cap_bytes:
         shown += f" or wait_bytes_cap {int(cap_bytes)} bytes of wake messages"
     return shown
+
+
+_OPTION_OF = {attribute: option for option, attribute in _EXECUTION_OPTIONS}
+#: (attribute, default) of the execution options whose Context class default is not None.
+_CONTEXT_DEFAULTS = tuple(
+    (attribute, getattr(Context, attribute))
+    for _, attribute in _EXECUTION_OPTIONS
+    if getattr(Context, attribute, None) is not None
+)
+#: The wake payload's JSON: compact, and without the circular-reference bookkeeping of
+#: ``json.dumps`` (a circular argument ends in RecursionError, which counts as "not JSON").
+_dump_json: Callable[[Any], str]
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+if _c_make_encoder is not None:  # (CPython: always)
+    _c_encoder = _c_make_encoder(
+        None,  # no markers: no check for circular references
+        json.JSONEncoder().default,
+        json.encoder.encode_basestring_ascii,
+        None,  # indent
+        ":",
+        ",",
+        False,  # sort_keys
+        False,  # skipkeys
+        True,  # allow_nan
+    )
+
+    def _dump_json(value: Any) -> str:
+        return "".join(_c_encoder(value, 0))
+
+else:  # pragma: no cover - a Python without the C accelerator
+    _dump_json = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
 def _owner_label(request: Any) -> str:

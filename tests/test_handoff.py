@@ -64,6 +64,25 @@ class TestWakePayload:
         """No payload (so no place in the list) rather than a payload that cannot be sent."""
         assert task._wake_payload(task.request, (object(),), {}, task.lease_settings) is None
 
+    def test_circular_arguments_wait_with_the_back_off(self, task):
+        """The payload's encoder skips json's circular-reference check (it runs on every claim):
+        a circular argument still gives no payload, not an error or a hang."""
+        loop: list = []
+        loop.append(loop)
+        assert task._wake_payload(task.request, (loop,), {}, task.lease_settings) is None
+
+    def test_the_place_outlives_the_longest_back_stop_for_each_number_of_waits(self, task):
+        """The kept place, worked out once per number of waits, is the same as computed anew."""
+        settings = task.lease_settings
+        for waits in (0, 2, 5, 0):
+            task.request.headers[WAITS_HEADER] = waits
+            _, keep = task._wake_payload(task.request, (1, "x"), {}, settings)
+            cap = task._busy_cap(settings)
+            longest = min(
+                cap, max(min(cap, settings.busy_backoff_base * 2 ** min(waits, 30)), settings.ttl)
+            )
+            assert keep == longest + settings.ttl + 10.0
+
 
 class TestWake:
     def test_a_wake_sends_the_message_stamped_and_counts(self, task, monkeypatch):
@@ -118,6 +137,25 @@ class TestWakeOptions:
             if v is not None and k not in ("headers", "retries")
         }
         assert _execution_options(request) == expected
+
+    @pytest.mark.parametrize("fields", [{"id": "t1"}, {"id": "t1", "root_id": None, "x": 1}])
+    def test_the_class_defaults_count_as_celery_reads_them(self, fields):
+        """A request that sets few fields: the rest are the Context class's defaults (some not
+        None), read from the request's own values on the fast path, getattr() otherwise."""
+        from celery.app.task import Context
+
+        from celery_lease._task import _execution_options
+
+        class OwnContext(Context):
+            pass
+
+        for request in (Context(fields), OwnContext(fields)):
+            expected = {
+                k: v
+                for k, v in request.as_execution_options().items()
+                if v is not None and k not in ("headers", "retries")
+            }
+            assert _execution_options(request) == expected
 
     def test_dead_letter_and_attempt_headers_are_not_carried(self, task):
         """RabbitMQ's x-death trail and our per-attempt headers stay behind."""
