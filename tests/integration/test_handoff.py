@@ -161,3 +161,41 @@ def test_a_burst_past_the_cap_with_a_short_grace_never_waits_for_the_back_stop(
     order, overlaps = _order(events, n, results)
     assert overlaps == 0
     assert sorted(order) == list(range(BURST)), f"bodies ran {order}"
+
+
+BACKLOG = 40
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["worker_direct", "negative_control"])
+def test_a_woken_waiter_does_not_wait_behind_the_queues_backlog(
+    it_app, start_worker, store_env, events, queue, direct
+):
+    """With ``worker_direct`` the wake goes to the releasing worker's own queue, so the woken
+    waiter runs next instead of behind every message queued before its wake (a burst's
+    refused claims): the resource was held idle for it meanwhile, and past the grace its
+    place was taken out of order. Its copy comes through the direct queue (``via`` is the
+    worker's name). Negative control, without ``worker_direct``: the woken copy goes to the
+    back of the shared queue and runs after the whole backlog."""
+    env = {**store_env("redis"), **ENV}
+    if direct:
+        env["CL_WORKER_DIRECT"] = "1"
+    worker = start_worker(env, queue=queue, pool="threads", concurrency=2)
+    n = unique("d")
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_hold.apply_async((n, 1, 0.05), queue=queue)
+    events.wait(ev="retry", task=waiter.id)
+    for k in range(BACKLOG):  # queued behind the waiter's refused claim, before its wake
+        it_app.plain_step.apply_async((n, 100 + k, 0.05), queue=queue)
+    assert waiter.get(timeout=60) == 1
+    wait_for(lambda: len(events.where(ev="enter", res=n)) >= BACKLOG + 2, 60, "the backlog")
+    entered = [e for e in events.all() if e.get("res") == n and e["ev"] == "enter"]
+    (woken,) = [e for e in entered if e["k"] == 1]
+    after = [e["k"] for e in entered[entered.index(woken) + 1 :]]
+    if direct:
+        assert woken["via"].startswith(f"{worker.name}@"), woken
+        assert after, "the woken waiter ran after the whole backlog"
+    else:
+        assert woken["via"] == queue, woken
+        assert after == [], f"the woken waiter ran before backlog messages {after}"
+    del holder
