@@ -24,6 +24,7 @@ import secrets
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -111,9 +112,87 @@ def run_one(store: Any, size: int, length: int, cycles: int) -> dict[str, Any]:
     }
 
 
+def contend(
+    make: Callable[[], Any], store: Any, size: int, length: int, threads: int, seconds: float
+) -> dict[str, Any]:
+    """Fill one resource's list, then ``threads`` threads (a store each) send refused claims
+    at it for ``seconds`` (newcomers and listed waiters in turn) while the holder renews its
+    lease every 0.1 s, as its renewer would: the renewal waits for the row behind them."""
+    resource = f"wl-{uuid.uuid4().hex[:10]}"
+    lease = claim(store, resource, "holder", None)
+    listed = 0
+    for k in range(length):
+        _, busy = timed(lambda k=k: claim(store, resource, f"w{k}", size))
+        if not getattr(busy, "position", None):
+            break
+        listed += 1
+    stop = time.monotonic() + seconds
+    claims: list[float] = []
+    errors: list[str] = []
+
+    def worker(n: int) -> None:
+        mine = make()
+        try:
+            k = 0
+            while time.monotonic() < stop:
+                who = f"w{(n * 7 + k) % listed}" if k % 2 and listed else f"t{n}-{k}"
+                try:
+                    seconds_, _ = timed(lambda who=who: claim(mine, resource, who, size))
+                    claims.append(seconds_)
+                except Exception as exc:  # (a statement timeout is a result here)
+                    errors.append(type(exc).__name__)
+                k += 1
+        finally:
+            mine.close()
+
+    pool = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(threads)]
+    for thread in pool:
+        thread.start()
+    renewals: list[float] = []
+    while time.monotonic() < stop:
+        try:
+            seconds_, _ = timed(lambda: store.renew(lease, TTL))
+            renewals.append(seconds_)
+        except Exception as exc:  # (as above)
+            errors.append(f"renewal {type(exc).__name__}")
+        time.sleep(0.1)
+    for thread in pool:
+        thread.join()
+    with contextlib.suppress(Exception):
+        store.release(lease)
+
+    def q(xs: list[float], p: float) -> float | None:
+        return round(sorted(xs)[int(p * (len(xs) - 1))] * 1e3, 1) if xs else None
+
+    return {
+        "payload": size,
+        "asked": length,
+        "listed": listed,
+        "threads": threads,
+        "claims": len(claims),
+        "claim_p50_ms": q(claims, 0.5),
+        "claim_p99_ms": q(claims, 0.99),
+        "renewals": len(renewals),
+        "renewal_p50_ms": q(renewals, 0.5),
+        "renewal_max_ms": round(max(renewals) * 1e3, 1) if renewals else None,
+        "errors": len(errors),
+        "error_kinds": sorted(set(errors)),
+    }
+
+
 @contextlib.contextmanager
-def store_of(kind: str, args: argparse.Namespace, tmp: str) -> Iterator[Any]:
+def store_of(kind: str, args: argparse.Namespace, tmp: str) -> Iterator[tuple[Any, str]]:
     tag = uuid.uuid4().hex[:8]
+    store = make_store(kind, args, tmp, tag)
+    try:
+        yield store, tag
+    finally:
+        cleanup(kind, store, tag)
+        store.close()
+
+
+def make_store(kind: str, args: argparse.Namespace, tmp: str, tag: str) -> Any:
+    """A store of ``kind`` on this run's keys, tables or file (``tag`` names them)."""
     if kind == "redis":
         store = store_from_url(args.redis_url, key_prefix=f"{PREFIX}_{tag}:")
     elif kind == "postgres":
@@ -122,11 +201,7 @@ def store_of(kind: str, args: argparse.Namespace, tmp: str) -> Iterator[Any]:
         store = store_from_url(f"sqlite:///{tmp}/leases-{tag}.db")
     if args.unbounded:
         store.wait_bytes_cap = 1 << 40
-    try:
-        yield store
-    finally:
-        cleanup(kind, store, tag)
-        store.close()
+    return store
 
 
 def cleanup(kind: str, store: Any, tag: str) -> None:
@@ -178,6 +253,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", default="16,256", help="wait list lengths, comma list")
     parser.add_argument("--cycles", type=int, default=10, help="timed cycles per setting")
     parser.add_argument(
+        "--contend",
+        type=int,
+        metavar="THREADS",
+        help="instead: THREADS threads send refused claims at the full list while the holder "
+        "renews every 0.1 s (claim and renewal latency, errors such as statement timeouts)",
+    )
+    parser.add_argument("--seconds", type=float, default=15.0, help="with --contend: how long")
+    parser.add_argument(
         "--unbounded",
         action="store_true",
         help="lift wait_bytes_cap (every payload is listed): the cost without the bound",
@@ -218,10 +301,37 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.stores:
                 for length in args.lengths:
                     for size in args.payloads:
-                        with store_of(kind, args, tmp) as store:
+                        with store_of(kind, args, tmp) as (store, tag):
                             store.wait_cap = max(store.wait_cap, length)
-                            row = {"store": kind, **run_one(store, size, length, args.cycles)}
+                            if args.contend:
+                                row = {
+                                    "store": kind,
+                                    **contend(
+                                        lambda kind=kind, tag=tag: make_store(kind, args, tmp, tag),
+                                        store,
+                                        size,
+                                        length,
+                                        args.contend,
+                                        args.seconds,
+                                    ),
+                                }
+                            else:
+                                row = {
+                                    "store": kind,
+                                    **run_one(store, size, length, args.cycles),
+                                }
                         rows.append(row)
+                        if args.contend:
+                            print(
+                                f"{kind:9} {size:7} {length:5} {row['listed']:6} | "
+                                f"{args.contend} threads: {row['claims']} refused claims, "
+                                f"p50 {row['claim_p50_ms']} ms, p99 {row['claim_p99_ms']} ms; "
+                                f"renewals p50 {row['renewal_p50_ms']} ms, "
+                                f"max {row['renewal_max_ms']} ms; errors {row['errors']} "
+                                f"{' '.join(row['error_kinds'])}",
+                                flush=True,
+                            )
+                            continue
                         cells = " ".join(
                             f"{row[op]['median_ms']:6.2f}/{row[op]['p90_ms']:6.2f}"
                             if op in row
