@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import _pid  # noqa: F401 - first: its fork hook runs before the others
 from ._app import install
 from ._errors import (
     EffectUnresolvedError,

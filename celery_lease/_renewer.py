@@ -36,6 +36,7 @@ from . import _failpoints as failpoints
 from ._errors import LeaseError, LeaseLostError
 from ._lanes import PER_STORE, TOTAL, Lanes
 from ._lease import Lease
+from ._pid import getpid
 
 if TYPE_CHECKING:
     from .stores.base import LeaseStore
@@ -118,7 +119,7 @@ class Renewer:
         self._wake_at = float("inf")
         self._lost: list[tuple[Hold, LeaseLostError]] = []
         self._closing = False
-        self._pid = os.getpid()
+        self._pid = getpid()
         self._warmed: set[int] = set()  # id() of the stores whose renewal connection is open
         #: Renewal calls sent and failed (for tests and metrics).
         self.calls = 0
@@ -398,10 +399,10 @@ def get_renewer() -> Renewer:
     """The renewer of this process (a fresh one in a forked child)."""
     global _renewer  # noqa: PLW0603 - one renewer per process, replaced after fork
     renewer = _renewer
-    if renewer is not None and renewer._pid == os.getpid():
+    if renewer is not None and renewer._pid == getpid():
         return renewer
     with _renewer_lock:
-        if _renewer is None or _renewer._pid != os.getpid():
+        if _renewer is None or _renewer._pid != getpid():
             _renewer = Renewer()
         return _renewer
 

@@ -25,7 +25,6 @@ import inspect
 import json
 import json.encoder
 import logging
-import os
 import random
 import socket
 from collections.abc import Callable, Mapping
@@ -63,6 +62,7 @@ from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
 from ._lease import Lease, Owner
 from ._names import IDENTITY_RULE, did_you_mean, mask_url, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
+from ._pid import getpid
 from ._renewer import Hold, Renewer, get_renewer
 from ._settings import LeaseSettings, Resolved
 from ._template import NameTemplate
@@ -239,7 +239,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         compiled = self._lease_compiled
         if (
             compiled is None
-            or compiled.pid != os.getpid()
+            or compiled.pid != getpid()
             or compiled.generation != Resolved.generation
         ):
             compiled = self._lease_compiled = _TaskSetup(self)
@@ -1062,7 +1062,7 @@ class _TaskSetup:
                 "lease could not be stopped in the right green thread); run the worker with "
                 "-P prefork, threads, solo or gevent"
             )
-        self.pid = os.getpid()
+        self.pid = getpid()
         self.generation = Resolved.generation  # (forget_resolved_settings() makes a new one)
         self.settings = task.lease_settings
         self.busy_cap: float | None = None  # (see LeaseTask._busy_cap)
@@ -1310,7 +1310,7 @@ else:  # pragma: no cover - a Python without the C accelerator
 
 def _owner_label(request: Any) -> str:
     host = request.hostname or socket.gethostname()
-    return f"{host}:{os.getpid()}:{request.id or 'direct'}"
+    return f"{host}:{getpid()}:{request.id or 'direct'}"
 
 
 def lease_task(

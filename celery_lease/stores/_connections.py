@@ -22,10 +22,11 @@ kept for its lifetime): the tests' negative control, not a configuration.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from .._pid import getpid
 
 __all__ = ["MAX_IDLE", "PER_THREAD", "FreeList"]
 
@@ -65,14 +66,14 @@ class FreeList(Generic[C]):
         self._close = close
         self.max_idle = max_idle
         self._idle: list[C] = []
-        self._pid = os.getpid()
+        self._pid = getpid()
         self._local = threading.local()  # only with PER_THREAD
 
     def get(self) -> C:
         """An idle connection (the most recently used), or a new one."""
         if PER_THREAD:
             return self._thread_connection()
-        if self._pid != os.getpid():
+        if self._pid != getpid():
             self._forget()
         try:
             return self._idle.pop()
@@ -83,7 +84,7 @@ class FreeList(Generic[C]):
         """Give back a connection whose call ended cleanly (no reply pending)."""
         if PER_THREAD:
             return  # it stays this thread's
-        if self._pid != os.getpid():
+        if self._pid != getpid():
             return  # the parent's, taken before a fork: never reused by the child
         if len(self._idle) < self.max_idle:
             self._idle.append(conn)
@@ -94,7 +95,7 @@ class FreeList(Generic[C]):
         """Close a connection that failed or was interrupted mid-call instead of giving it back."""
         if PER_THREAD and getattr(self._local, "conn", None) is conn:
             self._local.conn = None
-        if self._pid == os.getpid():
+        if self._pid == getpid():
             self._close(conn)
 
     def clear(self) -> None:
@@ -103,7 +104,7 @@ class FreeList(Generic[C]):
         if PER_THREAD:
             self._local = threading.local()
             return
-        if self._pid != os.getpid():
+        if self._pid != getpid():
             self._forget()
             return
         while True:
@@ -117,17 +118,17 @@ class FreeList(Generic[C]):
 
     def idle(self) -> int:
         """How many idle connections are kept (for tests and metrics)."""
-        return 0 if self._pid != os.getpid() else len(self._idle)
+        return 0 if self._pid != getpid() else len(self._idle)
 
     def _forget(self) -> None:
         """In a forked child: drop the parent's connections without closing them."""
         self._idle = []
         self._local = threading.local()
-        self._pid = os.getpid()
+        self._pid = getpid()
 
     def _thread_connection(self) -> C:
         conn: C | None = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "pid", None) != os.getpid():
+        if conn is None or getattr(self._local, "pid", None) != getpid():
             conn = self._connect()
-            self._local.conn, self._local.pid = conn, os.getpid()
+            self._local.conn, self._local.pid = conn, getpid()
         return conn

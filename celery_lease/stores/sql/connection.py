@@ -25,6 +25,7 @@ from sqlalchemy.pool import StaticPool
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._interrupt import shielded
 from ..._names import check_credentials, mask_url
+from ..._pid import getpid
 from .._connections import FreeList
 from ..base import connection_refused
 
@@ -207,12 +208,12 @@ class Connection:
     def __init__(self, conn: Any, *, detach: bool = True) -> None:
         self.conn = conn
         self.cursor = conn.cursor()
-        self.pid = os.getpid()
+        self.pid = getpid()
         self.detach = detach
 
     def invalidate(self, exc: BaseException) -> None:
         """Mark the connection unusable (its pool record will not reuse it)."""
-        if self.pid == os.getpid():
+        if self.pid == getpid():
             self.conn.invalidate(exc)
 
     def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
