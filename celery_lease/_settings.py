@@ -370,7 +370,7 @@ SETTINGS_DOC = {
     "idempotency_key header, or the task id) so a duplicate delivery of a completed one "
     "returns its result instead of running (True)",
     "handoff": "a busy task joins the resource's FIFO wait list and is woken at release "
-    "(Redis and memory stores; needs an identity and on_busy='retry') (True)",
+    "(every store; needs an identity and on_busy='retry') (True)",
     "handoff_max_payload": "most bytes of a task's wake message (its message, sent again when "
     "woken) for it to join the wait list; a bigger one waits with the back-off (8192)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
