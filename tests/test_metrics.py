@@ -115,3 +115,64 @@ class TestSeries:
         monkeypatch.setattr(metrics, "_entries", {})
         monkeypatch.setattr(metrics, "_generation", metrics._generation + 1)
         assert series.entry() is not old
+
+
+class TestUpdater:
+    """Claims and releases update their Prometheus children directly (metrics._updater)."""
+
+    BOUNDS = (0.001, 0.01, 0.1, 1.0)
+
+    def samples(self, histogram):
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for metric in histogram.collect()
+            for s in metric.samples
+            if not s.name.endswith("_created")
+        }
+
+    @pytest.mark.parametrize(
+        "values",
+        [
+            [0.0, 0.0005, 0.001, 0.0011, 0.01, 0.5, 1.0, 1.5, 1e9],  # edges: a bound is "<="
+            [-1.0, float("inf")],
+            [float("nan"), 0.2],
+        ],
+    )
+    def test_a_histogram_ends_as_its_own_observe_leaves_it(self, values):
+        from celery_lease.metrics import _updater
+
+        fast = prometheus_client.Histogram("h_fast", "h", buckets=self.BOUNDS, registry=None)
+        slow = prometheus_client.Histogram("h_slow", "h", buckets=self.BOUNDS, registry=None)
+        add = _updater(fast, "h")
+        assert add != fast.observe  # the direct path is the one under test
+        for value in values:
+            add(value)
+            slow.observe(value)
+        got = {(n.replace("h_fast", "h"), k): v for (n, k), v in self.samples(fast).items()}
+        want = {(n.replace("h_slow", "h"), k): v for (n, k), v in self.samples(slow).items()}
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == value or (value != value and got[key] != got[key]), key
+
+    def test_a_counter_ends_as_its_own_inc_leaves_it(self):
+        from celery_lease.metrics import _updater
+
+        counter = prometheus_client.Counter("c_fast", "c", registry=None)
+        add = _updater(counter, "c")
+        for _ in range(3):
+            add(1)
+        assert counter._value.get() == 3
+
+    def test_a_child_without_the_known_internals_keeps_the_public_calls(self):
+        from celery_lease.metrics import _updater
+
+        class Child:
+            def inc(self, amount):
+                pass
+
+            def observe(self, seconds):
+                pass
+
+        child = Child()
+        assert _updater(child, "c") == child.inc
+        assert _updater(child, "h") == child.observe
