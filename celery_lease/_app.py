@@ -287,10 +287,58 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             log.warning("celery_lease: %s", warning)
         log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
 
+    def create(self, worker: Any) -> None:
+        # Here, before the consumer connects (start() runs after it did), so the warning
+        # comes before the worker's first ack.
+        pool_cls, concurrency = getattr(worker, "pool_cls", None), getattr(worker, "concurrency", 0)
+        warning = broker_pool_warning(worker.app, pool_cls, int(concurrency or 0))
+        if warning is not None:
+            log.warning("celery_lease: %s", warning)
+
     def stop(self, worker: Any) -> None:
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.close()
+
+
+#: Connections of the Redis broker's pool a green worker needs beyond one per task slot (the
+#: consumer's own, which records each fetched message in the unacked hash, and one spare).
+BROKER_POOL_SPARE = 2
+
+
+def broker_pool_warning(app: Any, pool_cls: Any, concurrency: int) -> str | None:
+    """Why a green worker's acks may fail on its Redis broker's connection pool, or None.
+
+    Celery 5.7 acks a task from the greenlet that ran it (``Consumer.call_soon_ack``), so up to
+    ``concurrency`` acks are in flight at once, and the Redis transport's pool of a channel
+    holds ``max_connections`` (10 unless the broker transport options say otherwise) and raises
+    ``MaxConnectionsError`` past that instead of waiting. Such an ack fails ("Couldn't ack":
+    the message runs again after the visibility timeout and holds a prefetch slot until then),
+    and when the error hits the consumer as it fetches a message, that message is lost.
+    """
+    from celery.worker.consumer import Consumer
+
+    if not getattr(pool_cls, "is_green", False) or not hasattr(Consumer, "call_soon_ack"):
+        return None  # (before Celery 5.7 the consumer's loop sent every ack itself)
+    conn = app.connection_for_read()
+    try:
+        transport = conn.transport
+        if getattr(transport, "driver_type", None) != "redis":
+            return None
+        options = conn.transport_options or {}
+        limit = options.get("max_connections", getattr(transport.Channel, "max_connections", 0))
+    finally:
+        conn.release()
+    needed = int(concurrency) + BROKER_POOL_SPARE
+    if not limit or limit >= needed:  # (None: redis-py's own default, 100 and up)
+        return None
+    return (
+        f"a -c {concurrency} green pool acks up to {concurrency} tasks at once, but the Redis "
+        f"broker's connection pool holds {limit} (broker_transport_options max_connections): "
+        'acks past it fail ("Couldn\'t ack"; the task runs again after the visibility '
+        "timeout) and a message being fetched can be lost. Set broker_transport_options = "
+        f"{{'max_connections': {int(concurrency) + 10}}} (at least {needed})"
+    )
 
 
 def _check_settings(app: Any) -> LeaseSettings:

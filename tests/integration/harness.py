@@ -395,7 +395,11 @@ def wait_success(
 
 #: What a worker logs when an ack failed or its broker connection dropped: the message stays
 #: unacked until the visibility timeout (an hour by default) or the worker's shutdown.
-BROKER_TROUBLE = ("Couldn't ack", "Couldn't reject", "Connection to broker lost")
+BROKER_TROUBLE = (
+    "] Couldn't ack '",
+    "] Couldn't reject '",
+    "] consumer: Connection to broker lost",
+)
 
 
 def broker_trouble(worker: Worker) -> list[str]:

@@ -40,6 +40,7 @@ CONCURRENCY = 50
 TASKS = 500
 CONTROL_TASKS = 150
 ROUNDS = 3  # of CONCURRENCY tasks ending together
+POOL_WARNING = "but the Redis broker's connection pool holds {limit} "
 STORE_DB = 9  # a Redis database no other test uses: its clients are the store's connections
 # One task at a time: its call's connection, the renewer's, and the health check's (redis-py's
 # own pool, for a Redis store; SQLAlchemy's, which keeps a few idle, for PostgreSQL).
@@ -229,6 +230,7 @@ class TestGevent:
         (Celery 5.7): every ack lands, none fails on a pool of broker connections too small
         (which also lost a message now and then: the flake of the burst above)."""
         worker = start_worker(store_env("redis"), queue=queue, pool="gevent", concurrency=50)
+        assert "broker's connection pool holds" not in worker.log()  # (no warning at start)
         for r in range(ROUNDS):
             ids = run_together(it_app, queue, events, coord, worker, first=r * CONCURRENCY)
             wait_success(
@@ -254,6 +256,8 @@ class TestGevent:
         run_together(it_app, queue, events, coord, worker, first=0)
         trouble = wait_for(lambda: broker_trouble(worker), 30, "a failed ack")
         print(f"default broker pool: {len(trouble)} failed acks, e.g. {trouble[0]}")
+        # ... which the worker warned about at start.
+        assert POOL_WARNING.format(limit=10) in worker.log()
 
     @pytest.mark.parametrize("kind", ["redis", "postgres"])
     def test_negative_control_per_thread_connections_grow(
