@@ -298,8 +298,8 @@ class RedisLeaseStore(BaseLeaseStore):
             resource=resource,
             owner=owner,
             fence=int(fence),
-            acquired_at=from_micros(acquired),
-            expires_at=from_micros(expires),
+            acquired_at=int(acquired),  # (datetimes when first read)
+            expires_at=int(expires),
             ttl=ttl,
             sent_monotonic=sent,
             store=self,

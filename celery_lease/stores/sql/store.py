@@ -329,8 +329,8 @@ class SQLLeaseStore(BaseLeaseStore):
                 resource=resource,
                 owner=owner,
                 fence=int(fence),
-                acquired_at=from_micros(acquired),
-                expires_at=from_micros(expires),
+                acquired_at=int(acquired),  # (datetimes when first read)
+                expires_at=int(expires),
                 ttl=ttl,
                 sent_monotonic=sent,
                 store=self,
