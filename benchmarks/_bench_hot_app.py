@@ -13,8 +13,14 @@ What each task does is written to the report Redis (its own server, never the st
 the client's own delays) and ``answered_at`` when that call's answer came back,
 ``start``/``end`` bracket the body (absent when the attempt did not run it) and ``calls`` counts
 the lease store calls this attempt made (acquire, release, ... counted in-process by wrapping
-the store methods, whatever the store). Times are ``time.time()`` (one clock for every process
-on the machine).
+the store methods, whatever the store). Where a hand-off's time goes: ``prerun_at`` (the worker
+started the attempt), ``woken_at`` (the wake that sent it was published: its header, absent for
+a copy nobody woke), ``waits``, and ``release_at``/``released_at`` (the release sent, answered).
+Times are ``time.time()`` (one clock for every process on the machine).
+
+The workers run with ``worker_direct`` (each also consumes a queue of its own, where a wake goes
+when the waking worker may run the woken task: docs/tasks.md); ``CELERY_LEASE_HOT_WORKER_DIRECT=0``
+turns it off, to see a woken task wait behind the burst's backlog in the shared queue.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ app.conf.update(
     lease_key_prefix="celery_lease_hot:",
     lease_table_prefix="celery_lease_hot_",
     lease_handoff=True,
+    # each worker also consumes its own queue, where a wake goes when the waker may run it
+    worker_direct=env.get(f"{PREFIX}WORKER_DIRECT", "1") == "1",
 )
 
 RESOURCE = "hot/{run}"
@@ -91,10 +99,17 @@ HOT_TASKS = frozenset(name for name in app.tasks if name.startswith("hot."))
 # -- counting store calls --------------------------------------------------------------------
 def _counted(method: Any) -> Any:
     first_claim = method.__name__ == "acquire"
+    release = method.__name__ == "release"
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         _local.calls = getattr(_local, "calls", 0) + 1
+        if release:
+            _local.release_at = time.time()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                _local.released_at = time.time()
         if not first_claim or getattr(_local, "claim_at", None) is not None:
             return method(self, *args, **kwargs)
         _local.claim_at = time.time()  # the attempt's arrival, as near the store as we see
@@ -147,6 +162,12 @@ def _prerun(task: Any = None, **_: Any) -> None:
         return
     _local.attempt_at = time.time()
     _local.start = _local.end = _local.claim_at = _local.answered_at = None
+    _local.release_at = _local.released_at = None
+    headers = getattr(task.request, "headers", None) or {}
+    _local.woken_at = task.request.get("celery_lease_woken_at") or headers.get(
+        "celery_lease_woken_at"
+    )
+    _local.waits = task.request.get("celery_lease_waits") or headers.get("celery_lease_waits")
     _local.calls = 0
 
 
@@ -164,5 +185,12 @@ def _postrun(task: Any = None, args: Any = None, state: Any = None, **_: Any) ->
         "state": state,
         "calls": getattr(_local, "calls", 0),
         "answered_at": getattr(_local, "answered_at", None),
+        # where a hand-off's time goes: the wake's publish time (its header), when the worker
+        # ran the attempt, and when the release was sent and came back
+        "prerun_at": _local.attempt_at,
+        "woken_at": getattr(_local, "woken_at", None),
+        "waits": getattr(_local, "waits", None),
+        "release_at": getattr(_local, "release_at", None),
+        "released_at": getattr(_local, "released_at", None),
     }
     _reporter().rpush(f"hot:{run}", json.dumps(record))
