@@ -71,6 +71,8 @@ class NameTemplate:
         )
         self.names = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
         self.known = {p.name for p in params}
+        # Every parameter can come by position: a call giving them all so binds them all.
+        self.all_positional = len(self.names) == len(self.known)
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             # Refused when the task is defined: no call could ever provide this argument.
             for field in self.fields:
@@ -98,14 +100,25 @@ class NameTemplate:
                     f"the lease {self.what} callable of task {self.task!r} returned None"
                 )
             return str(value)
-        mapping = self._fast_mapping(args, kwargs) if self.simple else None
         fields = self.fields
-        if mapping is None:
+        if not self.simple:
             mapping = self._bound_mapping(args, kwargs)
-        elif all(mapping.get(field) is not None for field in fields):
-            # Plain names (self.simple) all given: Formatter.get_field would only look each
-            # up in the mapping, at several times the cost. (Else it says what is missing.)
-            fields = []
+        else:
+            if not kwargs and self.all_positional and len(args) == len(self.names):
+                # Every parameter given by position (the usual .delay(a, b)): bound as is.
+                mapping = dict(zip(self.names, args, strict=True))
+            else:
+                mapping = self._fast_mapping(args, kwargs)  # type: ignore[assignment]
+            if mapping is None:
+                mapping = self._bound_mapping(args, kwargs)
+            else:
+                # Plain names all given: Formatter.get_field would only look each up in the
+                # mapping, at several times the cost. (Else it says what is missing.)
+                for field in fields:
+                    if mapping.get(field) is None:
+                        break
+                else:
+                    fields = []
         for field in fields:
             try:
                 value, _ = _formatter.get_field(field, (), mapping)

@@ -315,3 +315,39 @@ class TestRenderTime:
 
         with pytest.raises(LeaseConfigError, match=r"template 'acct-\{account_id:d\}'.*malformed"):
             task.lease_resource_for(("seven",), {})
+
+
+class TestTemplateBinding:
+    """How a resource template binds a call's arguments (the all-positional fast path too)."""
+
+    def render(self, fn, spec, *args, **kwargs):
+        import inspect
+
+        from celery_lease._template import NameTemplate
+
+        return NameTemplate(spec, inspect.signature(fn), "resource", "t").render(args, kwargs)
+
+    def test_every_argument_by_position_or_by_keyword_names_the_same_resource(self):
+        def f(account, region="eu"):
+            pass
+
+        spec = "acct-{account}-{region}"
+        assert self.render(f, spec, 7, "us") == "acct-7-us"
+        assert self.render(f, spec, account=7, region="us") == "acct-7-us"
+        assert self.render(f, spec, 7) == "acct-7-eu"
+
+    def test_a_keyword_only_default_counts_when_the_rest_come_by_position(self):
+        """All positional parameters given by position still leaves a keyword-only one to its
+        default (the fast path would have missed it: the template failed)."""
+
+        def f(account, *, region="eu"):
+            pass
+
+        assert self.render(f, "acct-{account}-{region}", 7) == "acct-7-eu"
+
+    def test_a_none_argument_by_position_is_refused(self):
+        def f(account, region):
+            pass
+
+        with pytest.raises(LeaseConfigError, match="argument 'region' is None"):
+            self.render(f, "acct-{account}-{region}", 7, None)
