@@ -351,3 +351,44 @@ def _agree(store: Any, resource: str, label: str, seconds: float = 1.0) -> bool:
     except Exception:
         return False
     return True
+
+
+class TestPostgresRawCursor:
+    """The long claim and release statements go through a raw cursor kept per connection."""
+
+    def test_claims_and_releases_on_one_connection_reuse_its_raw_cursor(self, request, tmp_path):
+        store = make_store("postgres", request, tmp_path)
+        try:
+            for i in range(3):
+                store.release(store.acquire(f"raw-{i}", Owner.new("t"), 30))
+            (held,) = store._connections.free._idle
+            raw = held.cursor.raw
+            assert isinstance(raw, psycopg.RawCursor) and not raw.closed
+            store.release(store.acquire("raw-again", Owner.new("t"), 30))
+            assert store._connections.free._idle == [held] and held.cursor.raw is raw
+        finally:
+            store.close()
+        assert raw.closed  # closed with its connection
+
+    def test_fetch_runs_on_a_kept_raw_cursor_or_a_fresh_one(self, request, tmp_path):
+        """The store's cursors keep one raw cursor; another cursor gets a new one per call."""
+        from celery_lease.stores.sql import wait_statements
+
+        statement = wait_statements.raw("SELECT %(a)s::int + %(b)s::int, %(a)s::int")
+        store = make_store("postgres", request, tmp_path)
+        try:
+            held = store._connections.free.get()
+            try:
+                kept = held.cursor
+                assert kept.raw is None  # made at its first use
+                assert wait_statements.fetch(kept, statement, {"a": 2, "b": 3}) == (5, 2)
+                first = kept.raw
+                assert wait_statements.fetch(kept, statement, {"a": 1, "b": 1}) == (2, 1)
+                assert kept.raw is first
+                plain = held.conn.dbapi_connection.cursor()
+                assert wait_statements.fetch(plain, statement, {"a": 4, "b": 0}) == (4, 4)
+                assert not hasattr(plain, "raw")
+            finally:
+                store._connections.free.put(held)
+        finally:
+            store.close()

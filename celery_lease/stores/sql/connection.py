@@ -172,6 +172,7 @@ class Connections:
             # it could land in one that a reconnect disposed meanwhile, and leak. (Not the one
             # shared connection of an in-memory SQLite database.)
             detach=not isinstance(self.engine.pool, StaticPool),
+            postgresql=self.dialect == "postgresql",
         )
 
     @contextmanager
@@ -205,9 +206,12 @@ class Connection:
 
     __slots__ = ("conn", "cursor", "detach", "pid")
 
-    def __init__(self, conn: Any, *, detach: bool = True) -> None:
+    def __init__(self, conn: Any, *, detach: bool = True, postgresql: bool = False) -> None:
         self.conn = conn
-        self.cursor = conn.cursor()
+        # PostgreSQL (psycopg 3.2+): a cursor that keeps the raw cursor its long statements
+        # use (see wait_statements.fetch), made once per connection instead of once a call.
+        cursor = raw_keeping_cursor(conn.dbapi_connection) if postgresql else None
+        self.cursor: Any = conn.cursor() if cursor is None else cursor
         self.pid = getpid()
         self.detach = detach
 
@@ -222,6 +226,9 @@ class Connection:
             return  # a parent's connection: never touch it from a forked child
         self.pid = -1
         try:
+            raw = getattr(self.cursor, "raw", None)
+            if raw is not None:
+                raw.close()
             self.cursor.close()
             if self.detach:
                 self.conn.detach()  # so that close() closes the DBAPI connection itself
@@ -341,3 +348,30 @@ def rollback_quietly(conn: Any) -> None:
         conn.rollback()
     except Exception:  # the connection is being discarded anyway
         log.debug("rollback after a failed SQLite statement failed", exc_info=True)
+
+
+_raw_keeping: Any = None  # the class, made at the first PostgreSQL connection (False: none)
+
+
+def raw_keeping_cursor(dbapi_connection: Any) -> Any:
+    """A psycopg cursor with a ``raw`` slot for the ``RawCursor`` of the same connection
+    (made at its first use, then reused), or None without psycopg 3.2's ``RawCursor``."""
+    global _raw_keeping  # noqa: PLW0603 - one class per process
+    if _raw_keeping is None:
+        import psycopg
+
+        if getattr(psycopg, "RawCursor", None) is None:  # pragma: no cover - psycopg 3.1
+            _raw_keeping = False
+        else:
+
+            class RawKeepingCursor(psycopg.Cursor):
+                """A plain cursor, and the raw cursor of its connection once asked for."""
+
+                __slots__ = ("raw",)
+
+            _raw_keeping = RawKeepingCursor
+    if _raw_keeping is False:
+        return None
+    cursor = _raw_keeping(dbapi_connection)
+    cursor.raw = None
+    return cursor

@@ -378,6 +378,13 @@ def fetch(cursor: Any, statement: Raw, params: dict[str, Any]) -> Any:
     if raw_cursor is None:  # pragma: no cover - psycopg 3.1
         cursor.execute(statement.text, params)
         return cursor.fetchone()
-    with raw_cursor(cursor.connection) as rc:
-        rc.execute(statement.dollar, [params[name] for name in statement.names])
-        return rc.fetchone()
+    values = [params[name] for name in statement.names]
+    kept: Any = getattr(cursor, "raw", False)  # the store's cursors keep theirs (None: not yet)
+    if kept is False:
+        with raw_cursor(cursor.connection) as rc:
+            rc.execute(statement.dollar, values)
+            return rc.fetchone()
+    if kept is None:
+        kept = cursor.raw = raw_cursor(cursor.connection)
+    kept.execute(statement.dollar, values)
+    return kept.fetchone()
