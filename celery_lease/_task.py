@@ -332,7 +332,12 @@ class LeaseTask(Task):  # type: ignore[misc]
             wait = self._wake_payload(request, args, kwargs, settings)
             # (ASCII-only JSON: its length is its size in bytes)
             if wait is not None and len(wait[0]) > settings.handoff_max_payload:
-                too_large, wait = len(wait[0]), None  # not listed: waits with the back-off
+                # Measured without its celery_lease_waits counter, which grows by a digit now
+                # and then (9 -> 10): a listed waiter's next copy measures the same, so it is
+                # re-armed rather than left to lapse out of the list.
+                size = _bound_size(wait[0], request)
+                if size > settings.handoff_max_payload:
+                    too_large, wait = size, None  # not listed: waits with the back-off
         claim_started = _clock.monotonic()
         try:
             if wait is None:
@@ -1262,6 +1267,13 @@ def _execution_options(request: Any) -> dict[str, Any]:
         options["stamped_headers"] = stamped
         options.update((k, v) for k, v in stamps.items() if k in stamped and v is not None)
     return options
+
+
+def _bound_size(payload: str, request: Any) -> int:
+    """The size of a wake message as lease_handoff_max_payload bounds it: its bytes without
+    the digits of its celery_lease_waits counter (the same for every copy of one execution)."""
+    waits = int(_header(request, WAITS_HEADER) or 0)
+    return len(payload) - len(str(waits + 1))
 
 
 def _wait_bounds(store: Any) -> str:

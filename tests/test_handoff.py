@@ -292,6 +292,72 @@ class TestWakeMessageBound:
         store.release(held)
 
 
+class TestListedWaiterGrowingPastTheBound:
+    """A listed waiter keeps its place and is re-armed by its next copy even when that copy's
+    wake message is a few bytes longer because its celery_lease_waits counter gained a digit
+    (9 -> 10): the bound is measured without the counter, on every store."""
+
+    @staticmethod
+    def _deliver(task, blob, tid, waits):
+        task.push_request(
+            id=tid,
+            args=(blob,),
+            kwargs={},
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "q1"},
+            headers={WAITS_HEADER: waits},
+        )
+        try:
+            with pytest.raises(Retry) as caught:
+                task(blob)
+        finally:
+            task.pop_request()
+        return caught.value.exc
+
+    @staticmethod
+    def _size(task, blob, tid, waits):
+        task.push_request(
+            id=tid,
+            args=(blob,),
+            kwargs={},
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "q1"},
+            headers={WAITS_HEADER: waits},
+        )
+        try:
+            return len(task._wake_payload(task.request, (blob,), {}, task.lease_settings)[0])
+        finally:
+            task.pop_request()
+
+    def test_the_copy_one_counter_digit_longer_keeps_its_place(self, bound_app):
+        r = unique("grow")
+
+        @lease_task(app=bound_app, resource=r, name=unique("grow.t"))
+        def t(blob):
+            raise AssertionError("the body must not run while another owner holds the lease")
+
+        store = get_store(bound_app)
+        held = store.acquire(r, Owner.new("other"), 30, identity="other-job")
+        tid = unique("task")
+        # the copy that has waited 8 times carries celery_lease_waits 9: exactly at the bound
+        n = next(n for n in range(1, 600) if self._size(t, "z" * n, tid, 8) == 600)
+        assert self._size(t, "z" * n, tid, 9) == 601  # its next copy carries 10
+        first = self._deliver(t, "z" * n, tid, 8)
+        assert first.position == 1
+        place = store.waiters(r)[0]
+        again = self._deliver(t, "z" * n, tid, 9)
+        assert again.position == 1, str(again)  # re-armed, not left to lapse
+        assert "lease_handoff_max_payload" not in str(again)
+        assert store.waiters(r)[0].expires_at >= place.expires_at
+        # Control: a message over the bound without its counter (600 bytes and a digit of
+        # counter take n + 1 bytes of arguments) is not listed.
+        other = self._deliver(t, "z" * (n + 2), unique("task"), 8)
+        assert other.position is None and "over lease_handoff_max_payload=600" in str(other)
+        store.release(held)
+
+
 class TestHandoffMaxPayloadSetting:
     @pytest.mark.parametrize("value", [0, -1, "8k", 1.5, True])
     def test_a_bad_value_names_itself_and_the_fix(self, value):
