@@ -36,9 +36,10 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
 12. A claim refused because other work holds the resource joins the resource's FIFO wait list
     in the same round trip (at most ``wait_cap`` waiters, whose wake payloads add up to at most
     ``wait_bytes_cap`` bytes (UTF-8); an identity already waiting keeps its place, and a refused
-    claim re-arms it: it no longer counts as woken, see 14). A claim past either bound is
-    refused unlisted (position None). A waiter's place lapses ``wait_ttl`` seconds after its
-    last refused claim.
+    claim re-arms it: it no longer counts as woken, see 14; its new payload replaces the old one
+    only while the list's payloads stay within ``wait_bytes_cap``, else the old one is kept).
+    A claim past either bound is refused unlisted (position None). A waiter's place lapses
+    ``wait_ttl`` seconds after its last refused claim.
 13. While the resource has no live lease it is held for the waiter woken less than
     ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
     woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a

@@ -152,10 +152,15 @@ class MemoryLeaseStore(BaseLeaseStore):
         for place, waiter in enumerate(waits, 1):
             if waiter[0] == identity:
                 # Refused again (a woken copy too late or beaten to it, or a back-stop copy):
-                # it keeps its place and is re-armed, so the next release wakes it again.
+                # it keeps its place and is re-armed, so the next release wakes it again. Its
+                # new payload replaces the old one only within wait_bytes_cap (else the old,
+                # valid one is kept).
                 waiter[2] = max(waiter[2], until)
                 waiter[3] = 0
-                waiter[4] = payload
+                old = len(waiter[4].encode())
+                new = len(payload.encode())
+                if new <= old or _payload_bytes(waits) - old + new <= self.wait_bytes_cap:
+                    waiter[4] = payload
                 return place
         if (
             len(waits) >= self.wait_cap

@@ -33,6 +33,30 @@ def wstore(request, tmp_path):
         instance.close()
 
 
+@pytest.fixture(
+    params=(
+        "memory",
+        "redis",
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("postgres_fallback", marks=pytest.mark.postgres),
+    )
+)
+def bstore(request, tmp_path):
+    """Each store, and PostgreSQL also with its one-statement forms (no functions)."""
+    kind = request.param
+    instance = make_store(kind.removesuffix("_fallback"), request, tmp_path)
+    if kind == "postgres_fallback":
+        instance.sql.use_functions(False)
+        instance.ledger_sql.use_functions(False)
+    elif kind == "postgres":
+        assert instance.sql.acquire_raw is instance.sql.fast_raw[0]  # the functions
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
 def claim(store, resource, who, wait=True, wait_ttl=60.0):
     return store.acquire(
         resource,
@@ -127,6 +151,34 @@ class TestWaitList:
         claim(wstore, r, "a")  # a leaves the list: room for c
         assert refused(wstore, r, "c").position == 2
         assert [w.identity for w in wstore.waiters(r)] == ["b", "c"]
+
+    def test_a_re_arm_keeps_the_list_within_the_bytes_cap(self, bstore, names):
+        """A listed waiter refused again with a bigger payload keeps its place and is re-armed
+        (its place refreshed), but its new payload replaces the old one only while the list's
+        payloads stay within wait_bytes_cap; else the old, valid one is kept and woken. Before:
+        every re-arm replaced the payload, so 256 waiters listed with 500 B and re-armed with
+        8 kB held 2 MB against a 128 KiB budget (a release: 36 ms on PostgreSQL)."""
+        bstore.wait_bytes_cap = 20
+        r = names + "r"
+        lease = claim(bstore, r, "holder")
+        assert [refused(bstore, r, w).position for w in ("a", "b")] == [1, 2]  # 9 + 9 bytes
+        place = bstore.waiters(r)[0].expires_at
+
+        def again(who, payload):
+            with pytest.raises(LeaseBusyError) as busy:
+                bstore.acquire(r, Owner.new(who), LONG, identity=who, wait=payload, wait_ttl=600)
+            return busy.value.position
+
+        assert again("a", "payload-a-bigger") == 1  # 16 + 9 > 20: kept, old payload kept
+        assert bstore.waiters(r)[0].expires_at > place  # its place refreshed all the same
+        assert again("b", "payload-bb") == 2  # 9 + 10 <= 20: the new payload replaces
+        payloads, _ = _kept_bytes(bstore, r)
+        assert payloads == 19 <= bstore.wait_bytes_cap
+        bstore.release(lease)
+        assert lease.handoff == "payload-a"
+        woken = claim(bstore, r, "a")
+        bstore.release(woken)
+        assert woken.handoff == "payload-bb"
 
     def test_the_bytes_cap_counts_utf8_bytes(self, wstore, names):
         """Every store counts a payload's UTF-8 bytes (not characters), so the bound means the

@@ -244,7 +244,18 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
       -- next release wakes it again
       if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
       w[4] = '0'
-      redis.call('HSET', KEYS[8], member, ARGV[7])
+      -- its new payload replaces the old one only within the bytes bound (else the old,
+      -- valid one is kept)
+      local old = redis.call('HSTRLEN', KEYS[8], member)
+      local fits = #ARGV[7] <= old
+      if not fits then
+        local bytes = #ARGV[7] - old
+        for _, v in ipairs(wl) do
+          bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. v[1])
+        end
+        fits = bytes <= tonumber(ARGV[11])
+      end
+      if fits then redis.call('HSET', KEYS[8], member, ARGV[7]) end
       dirty = true
       return k
     end

@@ -115,7 +115,10 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                         greatest((x.e->>2)::bigint, act.now + {grace}), act.now + {grace},
                         x.e->4)
                     WHEN act.joins AND x.e->>0 = {i} THEN jsonb_build_array(x.e->0, x.e->1,
-                        greatest((x.e->>2)::bigint, act.now + {wttl}), 0, {w})
+                        greatest((x.e->>2)::bigint, act.now + {wttl}), 0,
+                        CASE WHEN act.bytes - octet_length(x.e->>4) + octet_length({w})
+                                  <= {wbytes}
+                             THEN to_jsonb({w}) ELSE x.e->4 END)
                     ELSE x.e END ORDER BY x.pos)
                 FROM lw AS x
                 WHERE act.verdict <> 'claim' OR x.e->>0 IS DISTINCT FROM {i}), '[]'::jsonb)

@@ -95,13 +95,16 @@ class Waits:
         is full: ``cap`` places, or its payloads would pass ``bytes_cap`` bytes).
 
         A waiter refused again (a woken copy too late or beaten to it, or a back-stop copy)
-        is re-armed: the next release wakes it again."""
+        is re-armed: the next release wakes it again. Its new payload replaces the old one only
+        while the list's payloads stay within ``bytes_cap`` (else the old one is kept)."""
         place = self.position(identity)
         if place:
             entry = self.places[place - 1]
             entry[2] = max(int(entry[2]), until)
             entry[3] = 0
-            entry[4] = payload
+            old, new = len(str(entry[4]).encode()), len(payload.encode())
+            if new <= old or self.payload_bytes() - old + new <= bytes_cap:
+                entry[4] = payload
             return place
         if len(self.places) >= cap or self.payload_bytes() + len(payload.encode()) > bytes_cap:
             return 0
