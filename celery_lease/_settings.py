@@ -46,6 +46,9 @@ DEFAULT_RETENTION = 7 * 86400.0
 #: wait list: a store keeps at most 128 KiB of them per list (``wait_bytes_cap``), so a bigger
 #: one would crowd out a list of small ones. A task with small arguments sends about 360 bytes.
 DEFAULT_HANDOFF_MAX_PAYLOAD = 8192
+#: A store's default ``wait_bytes_cap`` (stores/base.py), the whole budget of a wait list: the
+#: most ``lease_handoff_max_payload`` may be (a bigger message could never be listed).
+WAIT_BYTES_CAP = 128 * 1024
 
 
 class Resolved:  # a namespace: one attribute read per call, as cheap as a global
@@ -183,12 +186,18 @@ class LeaseSettings:
                     )
         if "handoff_max_payload" in values:
             value = values["handoff_max_payload"]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 1 <= value <= WAIT_BYTES_CAP
+            ):
                 raise LeaseConfigError(
                     f"lease_handoff_max_payload={show_value(value)} must be a whole number of "
-                    f"bytes >= 1 (default {DEFAULT_HANDOFF_MAX_PAYLOAD}); a task whose wake "
-                    "message is bigger waits with the back-off instead of in the wait list; "
-                    "to keep every task out of the wait list set lease_handoff=False"
+                    f"bytes >= 1 and at most {WAIT_BYTES_CAP} (a store's wait_bytes_cap, the "
+                    "whole budget of a wait list: a bigger message is never listed; default "
+                    f"{DEFAULT_HANDOFF_MAX_PAYLOAD}); a task whose wake message is bigger waits "
+                    "with the back-off instead of in the wait list; to keep every task out of "
+                    "the wait list set lease_handoff=False"
                 )
         if values.get("on_busy", "retry") not in ON_BUSY:
             raise LeaseConfigError(

@@ -357,8 +357,18 @@ class LeaseTask(Task):  # type: ignore[misc]
         except LeaseBusyError as busy:
             _observe_acquire(claim_started, "busy")
             # (every store of this package has a wait_cap; a third-party one may not)
-            cap = None if wait is None else _wait_bounds(store)
-            return self._lease_busy(busy, settings, wait_cap=cap, too_large=too_large)
+            cap = budget = None
+            if wait is not None:
+                cap = _wait_bounds(store)
+                budget = getattr(store, "wait_bytes_cap", None)
+                if not busy.position and budget is not None and len(wait[0]) > budget:
+                    # bigger than the list's whole budget: too large, not "the list is full"
+                    too_large, cap = len(wait[0]), None
+                else:
+                    budget = None
+            return self._lease_busy(
+                busy, settings, wait_cap=cap, too_large=too_large, budget=budget
+            )
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
@@ -748,10 +758,12 @@ class LeaseTask(Task):  # type: ignore[misc]
         settings: LeaseSettings,
         wait_cap: str | None = None,
         too_large: int = 0,
+        budget: int | None = None,
     ) -> Any:
         """A refused claim: wait (re-queue), fail or skip; ``wait_cap`` tells the store's wait
         list bounds when the claim asked to join the wait list (None when it did not);
-        ``too_large`` the size of a wake message too big to ask (0: none)."""
+        ``too_large`` the size of a wake message too big to ask (0: none), or too big for the
+        store's whole wait list budget (``budget``, its wait_bytes_cap) when that is given."""
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
         if request.is_eager or request.called_directly:
@@ -797,11 +809,18 @@ class LeaseTask(Task):  # type: ignore[misc]
             elif too_large and not duplicate:
                 # It would have waited in the list but its wake message is over the bound:
                 # say so, as for a full list (else it reads like a claim that never asked).
-                too_big = f"{too_large} > {settings.handoff_max_payload} bytes"
                 events.count("celery_lease_wait_payload_too_large_total")
+                if budget is None:
+                    too_big = f"{too_large} > {settings.handoff_max_payload} bytes"
+                    over = f"lease_handoff_max_payload={settings.handoff_max_payload}"
+                else:
+                    too_big = f"{too_large} > {budget} bytes (wait_bytes_cap)"
+                    over = (
+                        f"the store's whole wait list budget (wait_bytes_cap {budget} bytes; "
+                        f"lease_handoff_max_payload={settings.handoff_max_payload})"
+                    )
                 busy = LeaseBusyError(
-                    f"{busy} (its wake message is {too_large} bytes, over "
-                    f"lease_handoff_max_payload={settings.handoff_max_payload}: waiting with "
+                    f"{busy} (its wake message is {too_large} bytes, over {over}: waiting with "
                     "the back-off, not in the wait list)",
                     *busy.args[1:],
                 )

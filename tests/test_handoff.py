@@ -292,6 +292,36 @@ class TestWakeMessageBound:
         store.release(held)
 
 
+class TestMessageOverTheWholeBudget:
+    def test_it_is_reported_too_large_not_a_full_list(self, bound_app, caplog):
+        """A wake message within lease_handoff_max_payload but bigger than the store's whole
+        wait list budget (wait_bytes_cap) is reported as too large, naming both values, on an
+        empty list. Before: "its wait list is full", which says nothing about why."""
+        r = unique("budget")
+
+        @lease_task(app=bound_app, resource=r, name=unique("budget.t"))
+        def t(blob):
+            raise AssertionError("the body must not run while another owner holds the lease")
+
+        store = get_store(bound_app)
+        store.wait_bytes_cap = 500  # below the app's lease_handoff_max_payload=600
+        held = store.acquire(r, Owner.new("other"), 30, identity="other-job")
+        key = "celery_lease_wait_payload_too_large_total"
+        before = metrics.snapshot().get(key, 0)
+        with caplog.at_level(logging.INFO, logger="celery_lease"):
+            big = TestWakeMessageBound._deliver(t, "x" * 400)  # about 570 bytes
+        assert big.position is None and store.waiters(r) == []
+        message = str(big)
+        assert "wait list is full" not in message
+        assert "over the store's whole wait list budget (wait_bytes_cap 500 bytes; " in message
+        assert "lease_handoff_max_payload=600)" in message
+        assert metrics.snapshot().get(key, 0) == before + 1
+        assert "wait_payload_too_large=" in caplog.text
+        # Control: a message that fits the budget joins.
+        assert TestWakeMessageBound._deliver(t, "x").position == 1
+        store.release(held)
+
+
 class TestListedWaiterGrowingPastTheBound:
     """A listed waiter keeps its place and is re-armed by its next copy even when that copy's
     wake message is a few bytes longer because its celery_lease_waits counter gained a digit
@@ -366,6 +396,19 @@ class TestHandoffMaxPayloadSetting:
         message = str(caught.value)
         assert f"lease_handoff_max_payload={value!r}" in message
         assert "whole number of bytes >= 1" in message and "lease_handoff=False" in message
+
+    @pytest.mark.parametrize("value", [131073, 10**30, 2**63])
+    def test_a_value_past_the_whole_wait_list_budget_is_refused(self, value):
+        """A bound above a store's wait_bytes_cap (128 KiB) means nothing: such a message is
+        never listed. Before: 10**30 was accepted."""
+        with pytest.raises(LeaseConfigError) as caught:
+            LeaseSettings.resolve(None, {"handoff_max_payload": value})
+        message = str(caught.value)
+        assert f"lease_handoff_max_payload={value!r}" in message
+        assert "at most 131072" in message and "wait_bytes_cap" in message
+        assert "lease_handoff=False" in message
+        # Control: the whole budget itself is a valid bound.
+        assert LeaseSettings.resolve(None, {"handoff_max_payload": 131072}).handoff_max_payload
 
     def test_the_default_lists_a_task_with_small_arguments(self):
         assert LeaseSettings().handoff_max_payload == 8192

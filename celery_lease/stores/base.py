@@ -75,7 +75,7 @@ from .._codec import from_micros
 from .._errors import LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
-from .._settings import DEFAULT_RETENTION
+from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -191,7 +191,7 @@ DEFAULT_WAIT_CAP = 256
 #: waiters of 20 kB, 5 MB, took 120-230 ms per operation; 128 KiB about 5 ms), so this bounds
 #: it. 128 KiB lists 256 wake messages of 512 bytes (a task with three small arguments sends
 #: about 360: task name, arguments, ids, queue, headers).
-DEFAULT_WAIT_BYTES_CAP = 128 * 1024
+DEFAULT_WAIT_BYTES_CAP = WAIT_BYTES_CAP
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
 #: waiter behind it; the late one keeps its place).
 DEFAULT_HANDOFF_GRACE = 2.0
