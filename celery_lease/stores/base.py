@@ -227,7 +227,9 @@ class LeaseStore(Protocol):
 
         With ``wait`` (a wake payload: the message to send again; needs ``identity``), a claim
         refused for other work joins the resource's FIFO wait list, keeping its place for
-        ``wait_ttl`` seconds (invariants 12-14); ``LeaseBusyError.position`` tells where.
+        ``wait_ttl`` seconds (invariants 12-14); ``LeaseBusyError.position`` tells where. A
+        payload with a NUL character or a lone surrogate raises ``LeaseConfigError`` on every
+        store.
 
         Succeeds when the resource has no lease, a released one or an expired one. The returned
         fence is greater than any fence issued for this resource before. When the claim takes
@@ -558,6 +560,23 @@ class BaseLeaseStore:
             raise LeaseConfigError("acquire(wait=...) needs identity= (the waiter's name)")
         if not isinstance(wait, str) or not wait:
             raise LeaseConfigError(f"wait must be a non-empty string, got {show_value(wait)}")
+        # Every store refuses the same payloads: PostgreSQL's JSON cannot hold U+0000, and
+        # no store can encode a lone surrogate (the UTF-8 the stores count and keep).
+        if "\x00" in wait:
+            raise LeaseConfigError(
+                f"wait payload has a NUL character (U+0000) at position {wait.index(chr(0))}, "
+                "which not every store can keep; escape it (a task's wake message is JSON, "
+                "which writes it as \\u0000)"
+            )
+        if not wait.isascii():
+            try:
+                wait.encode()
+            except UnicodeEncodeError as exc:
+                raise LeaseConfigError(
+                    f"wait payload has a lone surrogate ({wait[exc.start]!a}) at position "
+                    f"{exc.start}, which UTF-8 cannot encode (the stores keep payloads as "
+                    "UTF-8); pass valid Unicode text"
+                ) from None
         validate_ttl(wait_ttl, 365 * 86400.0, name="wait_ttl")
         return wait
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import pytest
@@ -179,6 +180,25 @@ class TestWaitList:
         woken = claim(bstore, r, "a")
         bstore.release(woken)
         assert woken.handoff == "payload-bb"
+
+    @pytest.mark.parametrize(
+        ("payload", "problem"),
+        [("a\x00b", "NUL character (U+0000) at position 1"), ("a\ud800b", "lone surrogate")],
+    )
+    def test_a_payload_no_store_can_keep_is_refused_alike(self, bstore, names, payload, problem):
+        """Every store refuses a payload with a NUL or a lone surrogate the same way, before any
+        I/O: LeaseConfigError naming the problem. Before: the surrogate raised a raw
+        UnicodeEncodeError everywhere, and the NUL was listed on memory, Redis and SQLite but
+        failed with DataError (a LeaseStoreError) on PostgreSQL."""
+        r = names + "r"
+        claim(bstore, r, "holder")
+        with pytest.raises(LeaseConfigError, match=re.escape(problem)):
+            bstore.acquire(r, Owner.new("odd"), LONG, identity="odd", wait=payload)
+        assert bstore.waiters(r) == []
+        # Control: other non-ASCII text is a valid payload.
+        with pytest.raises(LeaseBusyError) as fine:
+            bstore.acquire(r, Owner.new("ok"), LONG, identity="ok", wait="a\u00e9\u2603b")
+        assert fine.value.position == 1
 
     def test_the_bytes_cap_counts_utf8_bytes(self, wstore, names):
         """Every store counts a payload's UTF-8 bytes (not characters), so the bound means the
