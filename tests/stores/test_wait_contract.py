@@ -232,6 +232,22 @@ class TestWaitList:
         assert payloads <= wstore.wait_bytes_cap
         assert kept <= wstore.wait_bytes_cap + 100 * listed
 
+    def test_a_full_list_of_non_ascii_payloads_is_bounded_by_its_bytes(self, wstore, names):
+        """Payloads of two-byte characters fill the budget by their UTF-8 bytes, and what the
+        store keeps stays within it too. Before: SQLite wrote its JSON list ASCII-escaped, so
+        each 2-byte character took 6 bytes (393 kB kept for a full 128 KiB list)."""
+        r = names + "r"
+        claim(wstore, r, "holder")
+        payload = "\u00e9" * 1000  # 2000 bytes
+        for k in range(80):
+            with pytest.raises(LeaseBusyError):
+                wstore.acquire(r, Owner.new(f"w{k}"), LONG, identity=f"w{k}", wait=payload)
+        listed = len(wstore.waiters(r))
+        assert listed == wstore.wait_bytes_cap // 2000
+        payloads, kept = _kept_bytes(wstore, r)
+        assert payloads <= wstore.wait_bytes_cap
+        assert kept <= wstore.wait_bytes_cap + 100 * listed
+
     def test_the_default_cap_lists_a_burst_of_200(self, wstore, names):
         """200 tasks refused at once all get a place: none is left to poll with the back-off.
         Before: past 32 waiters (the old default cap) refused claims were not queued, and a

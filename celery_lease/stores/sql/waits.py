@@ -127,7 +127,9 @@ def stored(waits: Waits) -> dict[str, Any]:
     if not waits.places:
         return {"waits": None, "slow": None, "wexp": None}
     return {
-        "waits": json.dumps(waits.places, separators=(",", ":")),
+        # (not ASCII-escaped: a non-ASCII character keeps its UTF-8 size, which the bytes bound
+        # counts, instead of taking 6 bytes as \u00e9)
+        "waits": json.dumps(waits.places, separators=(",", ":"), ensure_ascii=False),
         "slow": waits.slow or None,
         "wexp": max(int(p[2]) for p in waits.places),
     }
