@@ -662,7 +662,9 @@ class LeaseTask(Task):  # type: ignore[misc]
                 options.update({k: v for k, v in delivery.items() if v is not None})
         sent = _sent_route(request)
         if sent is not None:  # woken through a worker's own queue: the waiter's route
-            for key in _ROUTE_KEYS:
+            # (and not the direct queue's delivery flag: the copy's message stays the
+            # waiter's, byte for byte but its counter, so it is bounded alike)
+            for key in _WOKEN_ROUTE_KEYS:
                 options.pop(key, None)
             options.update(sent)
         try:
@@ -1219,6 +1221,8 @@ _EXECUTION_OPTIONS = (
 
 #: The options that say where a message goes.
 _ROUTE_KEYS = ("queue", "exchange", "routing_key")
+#: What a woken copy's wake message leaves out of its own delivery for the waiter's route.
+_WOKEN_ROUTE_KEYS = (*_ROUTE_KEYS, "redelivered")
 
 
 def _sent_route(request: Any) -> dict[str, Any] | None:

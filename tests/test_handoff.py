@@ -13,7 +13,7 @@ from celery.exceptions import Retry
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner, lease_task, metrics
 from celery_lease._app import get_store
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import ROUTE_HEADER, WAITS_HEADER, WOKEN_HEADER
+from celery_lease._task import ROUTE_HEADER, WAITS_HEADER, WOKEN_HEADER, _bound_size
 from tests.conftest import unique
 
 
@@ -219,6 +219,25 @@ class TestWakeRoute:
         options = json.loads(payload)["options"]
         assert options["queue"] == "q1" and "exchange" not in options
         assert ROUTE_HEADER not in options["headers"]
+
+    def test_a_woken_copys_wake_message_measures_as_its_waiters(self, task):
+        """A woken copy that came through a worker's own queue (a named exchange, so its
+        delivery lists redelivered=False) builds the waiter's wake message again, the same size
+        but for its counter: at lease_handoff_max_payload it is re-armed like its waiter, not
+        left out. Before: it carried "redelivered":false too, 20 bytes more."""
+        request = task.request
+        request.delivery_info = {"exchange": "", "routing_key": "q1", "redelivered": False}
+        listed, _ = task._wake_payload(request, (1, "x"), {}, task.lease_settings)
+        request.delivery_info = {
+            "exchange": "C.dq2",
+            "routing_key": "w1@host",
+            "redelivered": False,
+        }
+        request.headers[ROUTE_HEADER] = json.dumps({"queue": "q1"})
+        request.headers[WAITS_HEADER] += 1
+        woken, _ = task._wake_payload(request, (1, "x"), {}, task.lease_settings)
+        assert json.loads(woken)["options"]["queue"] == "q1"
+        assert _bound_size(woken, request) == len(listed) - 1  # its counter went 3 -> 4
 
 
 @pytest.fixture(
