@@ -17,10 +17,6 @@ the store methods, whatever the store). Where a hand-off's time goes: ``prerun_a
 started the attempt), ``woken_at`` (the wake that sent it was published: its header, absent for
 a copy nobody woke), ``waits``, and ``release_at``/``released_at`` (the release sent, answered).
 Times are ``time.time()`` (one clock for every process on the machine).
-
-The workers run with ``worker_direct`` (each also consumes a queue of its own, where a wake goes
-when the waking worker may run the woken task: docs/tasks.md); ``CELERY_LEASE_HOT_WORKER_DIRECT=0``
-turns it off, to see a woken task wait behind the burst's backlog in the shared queue.
 """
 
 from __future__ import annotations
@@ -54,8 +50,6 @@ app.conf.update(
     lease_key_prefix="celery_lease_hot:",
     lease_table_prefix="celery_lease_hot_",
     lease_handoff=True,
-    # each worker also consumes its own queue, where a wake goes when the waker may run it
-    worker_direct=env.get(f"{PREFIX}WORKER_DIRECT", "1") == "1",
 )
 
 RESOURCE = "hot/{run}"

@@ -37,8 +37,6 @@ from celery import Task, shared_task
 from celery._state import _task_stack
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
-from celery.utils.nodenames import worker_direct
-from celery.worker import state as worker_state
 
 from . import _clock, metrics
 from . import _events as events
@@ -110,8 +108,6 @@ LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
 #: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
 WOKEN_HEADER = "celery_lease_woken_at"
-#: The route (JSON) a waiter was sent on, when its wake went to the waking worker's own queue.
-ROUTE_HEADER = "celery_lease_route"
 #: When (wall clock, seconds since the epoch) this execution's claims began to fail.
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
@@ -660,13 +656,6 @@ class LeaseTask(Task):  # type: ignore[misc]
                 options["queue"] = routing_key
             else:
                 options.update({k: v for k, v in delivery.items() if v is not None})
-        sent = _sent_route(request)
-        if sent is not None:  # woken through a worker's own queue: the waiter's route
-            # (and not the direct queue's delivery flag: the copy's message stays the
-            # waiter's, byte for byte but its counter, so it is bounded alike)
-            for key in _WOKEN_ROUTE_KEYS:
-                options.pop(key, None)
-            options.update(sent)
         try:
             payload = _dump_json(
                 {"task": self.name, "args": args, "kwargs": kwargs, "options": options}
@@ -693,17 +682,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
         try:
             message = json.loads(payload)
-            options = message["options"]
-            headers = options.setdefault("headers", {})
-            headers[WOKEN_HEADER] = _clock.wall()
-            direct = self._direct_queue(message)
-            if direct is not None:
-                # To this worker's own queue: the waiter's queue may hold a backlog (a burst of
-                # refused claims) that the wake would wait behind while the resource is held
-                # for it. Its own route travels in a header, for its retries and its next wake.
-                route = {k: options.pop(k) for k in _ROUTE_KEYS if k in options}
-                headers[ROUTE_HEADER] = json.dumps(route, separators=(",", ":"))
-                options["queue"] = direct
+            message["options"].setdefault("headers", {})[WOKEN_HEADER] = _clock.wall()
             signature = self.app.signature(message)
             signature.apply_async()
         except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
@@ -714,44 +693,6 @@ class LeaseTask(Task):  # type: ignore[misc]
             )
             return
         events.count("celery_lease_handoffs_total", by=by)
-
-    def _direct_queue(self, message: dict[str, Any]) -> Any:
-        """This worker's direct queue (``worker_direct``) when the woken message may go there:
-        a task this worker knows, sent where this execution came from (a queue it consumes);
-        else None (the wake goes to the waiter's own queue)."""
-        request = self.request
-        host = request.hostname
-        if not host or request.is_eager or not self.app.conf.worker_direct:
-            return None
-        if worker_state.should_stop is not None or worker_state.should_terminate is not None:
-            return None  # this worker is shutting down: it would not fetch the woken copy
-        name = message.get("task")
-        if name != self.name and name not in self.app.tasks:
-            return None
-        options, here = message["options"], _route(request)
-        if any(options.get(k) != here.get(k) for k in _ROUTE_KEYS):
-            return None
-        return worker_direct(host)
-
-    def signature_from_request(
-        self,
-        request: Any = None,
-        args: Any = None,
-        kwargs: Any = None,
-        queue: Any = None,
-        **extra_options: Any,
-    ) -> Any:
-        """Celery's, but a copy of a woken message that came through a worker's direct queue
-        goes where the waiter was sent (its retries must not wait for that one worker)."""
-        signature = super().signature_from_request(
-            request, args, kwargs, queue=queue, **extra_options
-        )
-        route = _sent_route(self.request if request is None else request)
-        if queue is None and route is not None:
-            for key in _ROUTE_KEYS:
-                signature.options.pop(key, None)
-            signature.options.update(route)
-        return signature
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(
@@ -851,7 +792,6 @@ class LeaseTask(Task):  # type: ignore[misc]
                 STORE_WAITS_HEADER: None,
                 STORE_DOWN_HEADER: None,
                 WOKEN_HEADER: None,
-                ROUTE_HEADER: None,
             },
         )
 
@@ -1189,7 +1129,6 @@ _WAKE_DROPPED = frozenset(
         STORE_WAITS_HEADER,
         STORE_DOWN_HEADER,
         WOKEN_HEADER,
-        ROUTE_HEADER,
         "x-death",
         "x-first-death-exchange",
         "x-first-death-queue",
@@ -1217,45 +1156,6 @@ _EXECUTION_OPTIONS = (
     ("replaced_task_nesting", "replaced_task_nesting"),
     ("origin", "origin"),
 )
-
-
-#: The options that say where a message goes.
-_ROUTE_KEYS = ("queue", "exchange", "routing_key")
-#: What a woken copy's wake message leaves out of its own delivery for the waiter's route.
-_WOKEN_ROUTE_KEYS = (*_ROUTE_KEYS, "redelivered")
-
-
-def _sent_route(request: Any) -> dict[str, Any] | None:
-    """The route a woken copy's waiter was sent on, when a wake sent it round (ROUTE_HEADER)."""
-    raw = _header(request, ROUTE_HEADER)
-    if not isinstance(raw, str):
-        return None
-    try:
-        route = json.loads(raw)
-    except ValueError:
-        return None
-    return route if isinstance(route, dict) else None
-
-
-def _route(request: Any) -> dict[str, Any]:
-    """Where this execution's next copy goes, as ``signature_from_request()`` sends it (the
-    priority too): its delivery route, or the waiter's own when a wake sent it round."""
-    options: dict[str, Any] = {}
-    delivery = request.delivery_info
-    if delivery:
-        if delivery.get("priority") is not None:
-            options["priority"] = delivery["priority"]
-        exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
-        if exchange == "" and routing_key:
-            options["queue"] = routing_key
-        else:
-            options.update((k, v) for k, v in delivery.items() if v is not None)
-    sent = _sent_route(request)
-    if sent is not None:
-        for key in _ROUTE_KEYS:
-            options.pop(key, None)
-        options.update(sent)
-    return options
 
 
 def _execution_options(request: Any) -> dict[str, Any]:

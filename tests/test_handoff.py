@@ -13,7 +13,7 @@ from celery.exceptions import Retry
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner, lease_task, metrics
 from celery_lease._app import get_store
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import ROUTE_HEADER, WAITS_HEADER, WOKEN_HEADER, _bound_size
+from celery_lease._task import WAITS_HEADER, WOKEN_HEADER
 from tests.conftest import unique
 
 
@@ -163,81 +163,6 @@ class TestWakeOptions:
         payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
         headers = json.loads(payload)["options"]["headers"]
         assert headers == {WAITS_HEADER: 3, "custom": "kept"}
-
-
-class TestWakeRoute:
-    """With ``worker_direct``, a wake goes to the waking worker's own queue when that worker
-    may run it (the same task, sent where the waker came from); its own route rides along in a
-    header, and every copy made from it (retries, back-stop, the next wake) goes there."""
-
-    @pytest.fixture
-    def sent(self, monkeypatch):
-        out = []
-        monkeypatch.setattr(
-            "celery.canvas.Signature.apply_async", lambda self, *a, **k: out.append(self)
-        )
-        return out
-
-    def _woken(self, task, sent):
-        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
-        task._wake(payload, "r-1", "release")
-        (signature,) = sent
-        return signature.options
-
-    def test_the_wake_goes_to_this_workers_direct_queue(self, task, sent):
-        task.app.conf.worker_direct = True
-        task.request.hostname = "w1@host"
-        options = self._woken(task, sent)
-        assert options["queue"].name == "w1@host.dq2"
-        assert json.loads(options["headers"][ROUTE_HEADER]) == {"queue": "q1"}
-
-    def test_without_worker_direct_the_wake_goes_to_the_waiters_queue(self, task, sent):
-        task.request.hostname = "w1@host"
-        options = self._woken(task, sent)
-        assert options["queue"] == "q1" and ROUTE_HEADER not in options["headers"]
-
-    def test_a_waiter_sent_elsewhere_is_woken_there(self, task, sent):
-        """This worker may not consume the waiter's queue: the wake goes to that queue."""
-        task.app.conf.worker_direct = True
-        task.request.hostname = "w1@host"
-        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
-        task.request.delivery_info = {"exchange": "", "routing_key": "q2"}
-        task._wake(payload, "r-1", "release")
-        (signature,) = sent
-        assert signature.options["queue"] == "q1"
-
-    def test_a_copy_that_came_through_the_direct_queue_is_sent_again_on_its_own_route(self, task):
-        """Retries and the back-stop of a woken copy must not wait for that one worker."""
-        request = task.request
-        request.delivery_info = {"exchange": "C.dq2", "routing_key": "w1@host", "priority": 3}
-        request.headers[ROUTE_HEADER] = json.dumps({"queue": "q1"})
-        signature = task.signature_from_request(request, countdown=5)
-        assert signature.options["queue"] == "q1"
-        assert "exchange" not in signature.options and "routing_key" not in signature.options
-        assert signature.options["priority"] == 3
-        payload, _ = task._wake_payload(request, (1, "x"), {}, task.lease_settings)
-        options = json.loads(payload)["options"]
-        assert options["queue"] == "q1" and "exchange" not in options
-        assert ROUTE_HEADER not in options["headers"]
-
-    def test_a_woken_copys_wake_message_measures_as_its_waiters(self, task):
-        """A woken copy that came through a worker's own queue (a named exchange, so its
-        delivery lists redelivered=False) builds the waiter's wake message again, the same size
-        but for its counter: at lease_handoff_max_payload it is re-armed like its waiter, not
-        left out. Before: it carried "redelivered":false too, 20 bytes more."""
-        request = task.request
-        request.delivery_info = {"exchange": "", "routing_key": "q1", "redelivered": False}
-        listed, _ = task._wake_payload(request, (1, "x"), {}, task.lease_settings)
-        request.delivery_info = {
-            "exchange": "C.dq2",
-            "routing_key": "w1@host",
-            "redelivered": False,
-        }
-        request.headers[ROUTE_HEADER] = json.dumps({"queue": "q1"})
-        request.headers[WAITS_HEADER] += 1
-        woken, _ = task._wake_payload(request, (1, "x"), {}, task.lease_settings)
-        assert json.loads(woken)["options"]["queue"] == "q1"
-        assert _bound_size(woken, request) == len(listed) - 1  # its counter went 3 -> 4
 
 
 @pytest.fixture(

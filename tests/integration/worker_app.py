@@ -49,9 +49,6 @@ app.conf.update(
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
 )
-if env.get("CL_WORKER_DIRECT") == "1":
-    # Each worker also consumes its own queue: a wake goes there when the waker may run it.
-    app.conf.worker_direct = True
 if env.get("CL_HANDOFF"):  # unset: the library's default (on)
     app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
 if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
@@ -594,8 +591,7 @@ def touch_together(n: int, go: str, timeout: float = 60.0) -> int:
 
 
 def _fifo_body(task: Any, n: int, k: int, hold: float) -> int:
-    delivery = task.request.delivery_info or {}
-    report("enter", res=n, k=k, task=task.request.id, via=delivery.get("routing_key"))
+    report("enter", res=n, k=k, task=task.request.id)
     time.sleep(hold)
     report("exit", res=n, k=k, task=task.request.id)
     return k
@@ -605,14 +601,6 @@ def _fifo_body(task: Any, n: int, k: int, hold: float) -> int:
 def fifo_hold(self: Any, n: int, k: int, hold: float) -> int:
     """Holds fifo-<n> for ``hold`` s; waits for it with the hand-off (identity on)."""
     return _fifo_body(self, n, k, hold)
-
-
-@app.task
-def plain_step(n: int, k: int, hold: float) -> int:
-    """A plain task (no lease): one message of a backlog, reported when it starts."""
-    report("enter", res=n, k=k, plain=True)
-    time.sleep(hold)
-    return k
 
 
 @lease_task(app=app, resource="fifo-{n}", bind=True, identity=False)
