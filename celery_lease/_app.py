@@ -290,8 +290,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     def create(self, worker: Any) -> None:
         # Here, before the consumer connects (start() runs after it did), so the warning
         # comes before the worker's first ack.
-        pool_cls, concurrency = getattr(worker, "pool_cls", None), getattr(worker, "concurrency", 0)
-        warning = broker_pool_warning(worker.app, pool_cls, int(concurrency or 0))
+        warning = broker_pool_warning(worker.app, getattr(worker, "pool_cls", None), _most(worker))
         if warning is not None:
             log.warning("celery_lease: %s", warning)
 
@@ -304,6 +303,12 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
 #: Connections of the Redis broker's pool a green worker needs beyond one per task slot (the
 #: consumer's own, which records each fetched message in the unacked hash, and one spare).
 BROKER_POOL_SPARE = 2
+
+
+def _most(worker: Any) -> int:
+    """The most tasks the worker's pool runs at once: ``-c``, or the top of ``--autoscale``
+    (the Pool step set ``max_concurrency`` before any step's ``create``)."""
+    return max(int(getattr(worker, "concurrency", 0) or 0), int(worker.max_concurrency or 0))
 
 
 def broker_pool_warning(app: Any, pool_cls: Any, concurrency: int) -> str | None:

@@ -6,11 +6,14 @@ tests/integration/test_connections.py; here, which configurations are warned abo
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 from celery import Celery
 from celery.concurrency import get_implementation
 
-from celery_lease._app import broker_pool_warning
+from celery_lease._app import LeaseBootstep, broker_pool_warning
 
 GEVENT = get_implementation("gevent")
 PREFORK = get_implementation("prefork")
@@ -60,3 +63,19 @@ def test_other_pools_ack_from_the_consumer_loop(pool: object) -> None:
 def test_other_brokers_are_not_warned() -> None:
     assert broker_pool_warning(make_app("amqp://127.0.0.1:1//"), GEVENT, 50) is None
     assert broker_pool_warning(make_app("memory://"), GEVENT, 50) is None
+
+
+@pytest.mark.parametrize(("top", "warned"), [(30, True), (None, False)])
+def test_an_autoscaled_worker_is_warned_for_its_top(top, warned, caplog) -> None:
+    """``-P gevent -c 2 --autoscale=30,2`` runs up to 30 tasks at once (a review saw 19 bodies
+    running against the default pool of 10 with no warning: the check read ``-c`` only). The
+    worker as Celery's Pool step leaves it for every step's ``create``: ``max_concurrency``
+    is the top of ``--autoscale``, None without it."""
+    app = make_app("redis://127.0.0.1:1/0")
+    worker = SimpleNamespace(app=app, pool_cls=GEVENT, concurrency=2, max_concurrency=top)
+    with caplog.at_level(logging.WARNING, logger="celery_lease"):
+        LeaseBootstep(worker).create(worker)
+    warnings = [r.getMessage() for r in caplog.records if "max_connections" in r.getMessage()]
+    assert bool(warnings) is warned, warnings
+    if warned:
+        assert "-c 30" in warnings[0]
