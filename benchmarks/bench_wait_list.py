@@ -66,9 +66,9 @@ def timed(action: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def run_one(store: Any, size: int, length: int, cycles: int) -> dict[str, Any]:
-    """Fill one resource's list and time ``cycles`` cycles on it."""
-    resource = f"wl-{uuid.uuid4().hex[:10]}"
+def fill(store: Any, resource: str, size: int, length: int) -> tuple[Any, int]:
+    """Hold ``resource`` and list up to ``length`` waiters with ``size``-byte payloads (until
+    the store refuses one unlisted): the holder's lease and how many were listed."""
     lease = claim(store, resource, "holder", None)
     listed = 0
     for k in range(length):
@@ -76,6 +76,13 @@ def run_one(store: Any, size: int, length: int, cycles: int) -> dict[str, Any]:
         if not getattr(busy, "position", None):
             break
         listed += 1
+    return lease, listed
+
+
+def run_one(store: Any, size: int, length: int, cycles: int) -> dict[str, Any]:
+    """Fill one resource's list and time ``cycles`` cycles on it."""
+    resource = f"wl-{uuid.uuid4().hex[:10]}"
+    lease, listed = fill(store, resource, size, length)
     times: dict[str, list[float]] = {op: [] for op in OPERATIONS}
     joined = listed
     for n in range(cycles):
@@ -119,13 +126,7 @@ def contend(
     at it for ``seconds`` (newcomers and listed waiters in turn) while the holder renews its
     lease every 0.1 s, as its renewer would: the renewal waits for the row behind them."""
     resource = f"wl-{uuid.uuid4().hex[:10]}"
-    lease = claim(store, resource, "holder", None)
-    listed = 0
-    for k in range(length):
-        _, busy = timed(lambda k=k: claim(store, resource, f"w{k}", size))
-        if not getattr(busy, "position", None):
-            break
-        listed += 1
+    lease, listed = fill(store, resource, size, length)
     stop = time.monotonic() + seconds
     claims: list[float] = []
     errors: list[str] = []

@@ -272,7 +272,9 @@ class TestListedWaiterGrowingPastTheBound:
     (9 -> 10): the bound is measured without the counter, on every store."""
 
     @staticmethod
-    def _deliver(task, blob, tid, waits):
+    @contextlib.contextmanager
+    def _delivered(task, blob, tid, waits):
+        """``task``'s request as a worker delivers the copy with this counter."""
         task.push_request(
             id=tid,
             args=(blob,),
@@ -283,27 +285,20 @@ class TestListedWaiterGrowingPastTheBound:
             headers={WAITS_HEADER: waits},
         )
         try:
-            with pytest.raises(Retry) as caught:
-                task(blob)
+            yield
         finally:
             task.pop_request()
+
+    @classmethod
+    def _deliver(cls, task, blob, tid, waits):
+        with cls._delivered(task, blob, tid, waits), pytest.raises(Retry) as caught:
+            task(blob)
         return caught.value.exc
 
-    @staticmethod
-    def _size(task, blob, tid, waits):
-        task.push_request(
-            id=tid,
-            args=(blob,),
-            kwargs={},
-            is_eager=False,
-            called_directly=False,
-            delivery_info={"exchange": "", "routing_key": "q1"},
-            headers={WAITS_HEADER: waits},
-        )
-        try:
+    @classmethod
+    def _size(cls, task, blob, tid, waits):
+        with cls._delivered(task, blob, tid, waits):
             return len(task._wake_payload(task.request, (blob,), {}, task.lease_settings)[0])
-        finally:
-            task.pop_request()
 
     def test_the_copy_one_counter_digit_longer_keeps_its_place(self, bound_app):
         r = unique("grow")
