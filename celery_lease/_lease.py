@@ -36,6 +36,29 @@ __all__ = ["DEFAULT_MARGIN_FRACTION", "Lease", "LeaseInfo", "Owner", "from_micro
 _HEX = frozenset("0123456789abcdef")
 
 
+def split_identity_state(state: str | None) -> tuple[str | None, int]:
+    """An identity record's state and the attempt it names (``"retry:2"`` -> ``("retry", 2)``).
+
+    A task records its outcome with the attempt (``request.retries``) from which copies are
+    current: ``"retry:N"`` after a user retry of attempt N-1. A copy of an earlier attempt (a
+    back-stop re-queued before the retry) is superseded and must not run the body. Attempt 0
+    is not written, so the common states stay ``done``, ``running``, ``retry``, ``failed``.
+    """
+    if state is None or ":" not in state:
+        return state, 0
+    name, _, attempt = state.partition(":")
+    try:
+        return name, max(int(attempt), 0)
+    except ValueError:
+        return state, 0
+
+
+def identity_outcome(outcome: str, attempt: int) -> str:
+    """The outcome a release records for copies of ``attempt`` on (see split_identity_state)."""
+    attempt = min(attempt, 99_999_999)  # (the SQL state column holds 16 characters)
+    return f"{outcome}:{attempt}" if attempt > 0 and outcome != "done" else outcome
+
+
 @dataclass(frozen=True, slots=True)
 class Owner:
     """Who claims a lease: a secret random token plus a human label.
@@ -164,7 +187,9 @@ class Lease:
         self.identity = identity
         #: The identity's state found by the claim: None (first run), "running" (an owner
         #: vanished), "retry" or "failed" (an earlier attempt ended without completing).
-        self.identity_state = identity_state
+        #: ``identity_attempt``: the attempt (``request.retries``) that record names as current:
+        #: a copy of an earlier attempt is superseded (0: none recorded).
+        self.identity_state, self.identity_attempt = split_identity_state(identity_state)
         #: Progress recorded by earlier owners of this identity (step -> data), oldest first.
         self.checkpoints: dict[str, Any] = dict(checkpoints or {})
         # Monotonic time at which the last successful claim/renewal was *sent*: the lease was

@@ -57,7 +57,7 @@ from ._errors import (
 from ._eventlog import lease_log
 from ._eventlog import log as event_log
 from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
-from ._lease import Lease, Owner
+from ._lease import Lease, Owner, identity_outcome
 from ._names import IDENTITY_RULE, did_you_mean, mask_url, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._pid import getpid
@@ -380,11 +380,16 @@ class LeaseTask(Task):  # type: ignore[misc]
         failpoints.hit("after_acquire")
         events.record(_CLAIMS, _CLAIM_SECONDS, claim_seconds)
         self._log("claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label)
+        if lease.identity_attempt > (request.retries or 0):
+            # A copy of an attempt the identity has moved past (a back-stop re-queued before
+            # a woken copy ran this attempt and retried): a copy of the newer one runs it.
+            return self._superseded(lease)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
             # The claim's reply came back after the self-fence deadline (the store was slow or
             # unreachable): holding it would be lost at once. Give it back and wait.
-            self._release(lease, "retry" if lease.identity else "failed", None)
+            outcome = identity_outcome("retry", request.retries or 0)
+            self._release(lease, outcome if lease.identity else "failed", None)
             return self._store_down(
                 LeaseStoreError(
                     f"the claim of {resource!r} took longer than its ttl minus the self-fence "
@@ -433,6 +438,30 @@ class LeaseTask(Task):  # type: ignore[misc]
             raise
         events.count("celery_lease_reconciliations_total", outcome="ok")
 
+    def _superseded(self, lease: Lease) -> Any:
+        """Drop a copy of an attempt its identity has moved past without running the body:
+        give the lease back with the identity's record as it was found (so the copy of the
+        current attempt still sees it) and end without storing a result (that copy's is)."""
+        request = self.request
+        events.count("celery_lease_duplicates_total")
+        self._log(
+            "duplicate",
+            logging.INFO,
+            lease.resource,
+            lease.fence,
+            lease.owner.label,
+            identity=lease.identity,
+            attempt=request.retries or 0,
+            current_attempt=lease.identity_attempt,
+            action="dropped a copy of a superseded attempt",
+        )
+        found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
+        self._release(lease, found, None)
+        raise Ignore(
+            f"attempt {request.retries or 0} of {lease.identity!r} was superseded by attempt "
+            f"{lease.identity_attempt}"
+        )
+
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
@@ -466,6 +495,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         started = _clock.monotonic()
         hold: Hold | None = None
         outcome = "failed"
+        attempt = request.retries or 0  # copies of earlier attempts are superseded
         result: Any = None
         try:
             try:
@@ -522,9 +552,11 @@ class LeaseTask(Task):  # type: ignore[misc]
                     outcome = "retry"
                     return self._lease_lost(lease.lost, lease, settings)
                 raise
-            except (Retry, Ignore, Reject):
+            except (Retry, Ignore, Reject) as exc:
                 interrupter.disarm()
                 outcome = "retry"  # not finished: a later delivery runs it again
+                if isinstance(exc, Retry):  # self.retry(): the next attempt is the current one
+                    attempt += 1
                 raise
             except BaseException:
                 interrupter.disarm()
@@ -533,7 +565,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             if hold is not None:
                 renewer.drop(hold)
             _current.reset(context_token)
-            self._release(lease, outcome, result, held_since=started)
+            self._release(lease, identity_outcome(outcome, attempt), result, held_since=started)
         failpoints.hit("after_ledger_before_ack")
         return result
 

@@ -400,3 +400,77 @@ class TestBusyDuplicates:
             self._deliver(task, unique("task"), waits)
         assert type(caught.value).__name__ == raised
         get_store(app).release(held)
+
+
+class TestSupersededAttempt:
+    """A back-stop copy of an attempt a woken copy already ran and retried ends unrun."""
+
+    @staticmethod
+    def _deliver(task, task_id, retries, waits=1):
+        """One copy of the execution as a worker runs it: attempt ``retries``, waited once."""
+        task.push_request(
+            id=task_id,
+            args=(1,),
+            kwargs={},
+            retries=retries,
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "celery"},
+            headers={"celery_lease_waits": waits},
+        )
+        try:
+            return task(1)
+        finally:
+            task.pop_request()
+
+    @pytest.fixture(params=["memory", "sqlite"])
+    def store_app(self, request, app):
+        if request.param == "memory":
+            app.conf.lease_store_url = "memory://"
+        return app
+
+    def _scenario(self, app):
+        from celery.exceptions import Ignore, Retry
+
+        ran: list[int] = []
+
+        @lease_task(app=app, resource="sup:{n}", bind=True, max_retries=5)
+        def task(self, n):
+            ran.append(self.request.retries)
+            if self.request.retries < 1:
+                raise Retry("user retry")  # what self.retry() raises once it sent attempt 1
+            return "done"
+
+        task_id = unique("task")
+        with pytest.raises(Retry):  # the woken copy runs attempt 0 and retries
+            self._deliver(task, task_id, retries=0)
+        other = get_store(app).acquire("sup:1", Owner.new("other"), 30, identity="other-job")
+        with pytest.raises(Retry):  # attempt 1 is refused: another waiter holds the resource
+            self._deliver(task, task_id, retries=1, waits=0)
+        get_store(app).release(other, outcome="done")
+        outcome = []
+        try:  # attempt 0's back-stop copy comes back and finds the resource free
+            outcome.append(self._deliver(task, task_id, retries=0))
+        except Ignore:
+            outcome.append("dropped")
+        except Retry:
+            outcome.append("ran again")
+        outcome.append(self._deliver(task, task_id, retries=1, waits=1))  # attempt 1's copy
+        outcome.append(self._deliver(task, task_id, retries=1, waits=1))  # and its duplicate
+        return ran, outcome
+
+    def test_the_back_stop_of_a_retried_attempt_does_not_run_it_again(self, store_app):
+        """Each attempt's body runs once; the newer attempt still runs and its result counts.
+        Failed before: attempt 0's body ran twice ([0, 0, 1])."""
+        ran, outcome = self._scenario(store_app)
+        assert ran == [0, 1]
+        assert outcome == ["dropped", "done", "done"]
+
+    def test_negative_control_without_the_attempt_the_copy_runs_again(self, store_app, monkeypatch):
+        """With the attempt left out of the identity's record, the stale copy runs the body."""
+        import celery_lease._task as task_module
+
+        monkeypatch.setattr(task_module, "identity_outcome", lambda outcome, attempt: outcome)
+        ran, outcome = self._scenario(store_app)
+        assert ran == [0, 0, 1]
+        assert outcome[0] == "ran again"

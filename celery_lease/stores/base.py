@@ -73,7 +73,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from .. import _clock
 from .._codec import from_micros
 from .._errors import LeaseConfigError, LeaseLostError
-from .._lease import Lease, LeaseInfo, Owner
+from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
 
@@ -140,6 +140,14 @@ class IdentityInfo:
     owner_label: str
     result: str | None
     expires_at: datetime
+    #: The attempt (``request.retries``) the record names as current (0: none recorded).
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        state, attempt = split_identity_state(self.state)
+        if attempt:
+            object.__setattr__(self, "state", state)
+            object.__setattr__(self, "attempt", attempt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,7 +592,9 @@ class BaseLeaseStore:
     def _outcome_args(lease: Lease, outcome: str | None) -> None:
         if outcome is None:
             return
-        if outcome not in IDENTITY_OUTCOMES:
+        name, attempt = split_identity_state(outcome)
+        # (with the attempt of a retried task: "retry:2", see split_identity_state)
+        if name not in IDENTITY_OUTCOMES or outcome != identity_outcome(name, attempt):
             raise LeaseConfigError(
                 f"release outcome {show_value(outcome)} must be one of {IDENTITY_OUTCOMES}"
             )

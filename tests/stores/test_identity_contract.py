@@ -47,6 +47,24 @@ class TestIdentity:
         other = claim(store, names, identity="job-2")  # another identity runs normally
         assert other.fence > lease.fence
 
+    def test_an_outcome_keeps_the_attempt_it_names(self, store, names):
+        """A task's user retry records "retry:2": the next claim and identity_get read state "retry"
+        and attempt 2; a bare outcome names attempt 0; a malformed one is refused."""
+        for outcome, state, attempt in (("retry:2", "retry", 2), ("failed:3", "failed", 3)):
+            first = claim(store, names, identity=f"job-{state}")
+            assert store.release(first, outcome=outcome)
+            info = store.identity_get(names + "r", f"job-{state}")
+            assert (info.state, info.attempt) == (state, attempt)
+            again = claim(store, names, owner="w2", identity=f"job-{state}")
+            assert (again.identity_state, again.identity_attempt) == (state, attempt)
+            assert again.recovered
+            store.release(again)
+        plain = claim(store, names, identity="job-plain")
+        assert plain.identity_attempt == 0
+        for bad in ("done:2", "retry:x", "retry:0", "retry:-1", "retry:123456789012"):
+            with pytest.raises(LeaseConfigError):
+                store.release(plain, outcome=bad)
+
     def test_an_unfinished_attempt_makes_the_next_claim_a_recovery(self, store, names):
         """retry / failed / a vanished owner: the next claim names the earlier attempt."""
         for outcome in ("retry", "failed"):
