@@ -148,3 +148,21 @@ def test_a_full_wait_list_leaves_the_claims_beyond_it_to_the_back_off_and_loses_
     metas = wait_success(it_app.app, ids, deadline)
     assert [metas[i]["result"] for i in ids] == list(range(CAP + OVER + 1))
     assert _completed(events, n) == Counter(range(CAP + OVER + 1)), _completed(events, n)
+
+
+def test_a_back_stop_copy_of_a_retried_attempt_does_not_run_it_again(
+    it_app, start_worker, store_env, events, queue
+):
+    """A refused waiter's back-stop copies (every ~0.3 s, the back-off cap) outlive its woken
+    copy, which runs attempt 0 and calls self.retry(countdown=3): the next back-stop copy of
+    attempt 0 finds the resource free and must end unrun; attempt 1 runs once.
+    Failed before: attempt 0's body ran again (entries [0, 0, ..., 1])."""
+    n = unique("rb")
+    start_worker({**store_env("redis"), "CL_TTL": "2"}, queue=queue)
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)
+    wait_for(lambda: events.where(ev="enter", res=n, k=0), 30, "the holder to enter")
+    waiter = it_app.fifo_retry_once.apply_async((n, 1, 3.0), queue=queue)
+    assert waiter.get(timeout=60) == 1 and holder.get(timeout=60) == 0
+    # (every copy of attempt 0 queued before the retry has come back by now: 0.3 s apart)
+    runs = [e["retries"] for e in events.where(ev="enter", res=n, k=1)]
+    assert runs == [0, 1]

@@ -609,6 +609,15 @@ def fifo_hold_backoff(self: Any, n: int, k: int, hold: float) -> int:
     return _fifo_body(self, n, k, hold)
 
 
+@lease_task(app=app, resource="fifo-{n}", bind=True, max_retries=2)
+def fifo_retry_once(self: Any, n: int, k: int, countdown: float) -> int:
+    """Waits for fifo-<n> with the hand-off; its attempt 0 calls ``self.retry(countdown)``."""
+    report("enter", res=n, k=k, task=self.request.id, retries=self.request.retries)
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    return k
+
+
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).
 @lease_task(app=app, resource="retrying-{n}", bind=True)
 def retrying_body(self: Any, n: str, calls: int) -> int:
