@@ -383,7 +383,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if lease.identity_attempt > (request.retries or 0):
             # A copy of an attempt the identity has moved past (a back-stop re-queued before
             # a woken copy ran this attempt and retried): a copy of the newer one runs it.
-            return self._superseded(lease)
+            return self._superseded(lease, settings)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
             # The claim's reply came back after the self-fence deadline (the store was slow or
@@ -438,11 +438,29 @@ class LeaseTask(Task):  # type: ignore[misc]
             raise
         events.count("celery_lease_reconciliations_total", outcome="ok")
 
-    def _superseded(self, lease: Lease) -> Any:
+    def _superseded(self, lease: Lease, settings: LeaseSettings) -> Any:
         """Drop a copy of an attempt its identity has moved past without running the body:
         give the lease back with the identity's record as it was found (so the copy of the
-        current attempt still sees it) and end without storing a result (that copy's is)."""
+        current attempt still sees it) and end without storing a result (that copy's is).
+
+        Only a copy of this task id is dropped: another task id sharing the identity (an
+        identity template, an idempotency key) would never get a result from the newer
+        attempt's copy, so while that attempt is still to run it waits as a duplicate of
+        running work and ends with the recorded result once it is done."""
         request = self.request
+        found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
+        if lease.identity != request.id and (lease.identity_state or "retry") == "retry":
+            self._release(lease, found, None)
+            busy = LeaseBusyError(
+                f"{lease.identity!r} is at attempt {lease.identity_attempt}, run by another "
+                f"task id than {request.id}: waiting for its result",
+                lease.resource,
+                lease.owner.label,
+                lease.fence,
+                None,
+                True,
+            )
+            return self._lease_busy(busy, settings)
         events.count("celery_lease_duplicates_total")
         self._log(
             "duplicate",
@@ -455,7 +473,6 @@ class LeaseTask(Task):  # type: ignore[misc]
             current_attempt=lease.identity_attempt,
             action="dropped a copy of a superseded attempt",
         )
-        found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
         self._release(lease, found, None)
         raise Ignore(
             f"attempt {request.retries or 0} of {lease.identity!r} was superseded by attempt "

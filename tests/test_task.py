@@ -466,6 +466,32 @@ class TestSupersededAttempt:
         assert ran == [0, 1]
         assert outcome == ["dropped", "done", "done"]
 
+    def test_another_task_id_sharing_the_identity_waits_for_the_result(self, store_app):
+        """A separate send sharing an identity template, arriving while the identity's newer
+        attempt is still to run, is not dropped (it would never get a result: the newer
+        attempt stores its own under the other task id): it waits as a duplicate of running
+        work and ends with the recorded result. Failed before: Ignore (PENDING for ever)."""
+        from celery.exceptions import Retry
+
+        ran: list[tuple[str, int]] = []
+
+        @lease_task(app=store_app, resource="sup:{n}", identity="sup-job-{n}", bind=True)
+        def task(self, n):
+            ran.append((self.request.id, self.request.retries))
+            if self.request.retries < 1:
+                raise Retry("user retry")
+            return "done"
+
+        first, second = unique("first"), unique("second")
+        with pytest.raises(Retry):  # the first send runs attempt 0 and retries
+            self._deliver(task, first, retries=0)
+        with pytest.raises(Retry) as caught:  # the second send: the job is at attempt 1
+            self._deliver(task, second, retries=0)
+        assert caught.value.exc.duplicate
+        assert self._deliver(task, first, retries=1) == "done"
+        assert self._deliver(task, second, retries=0, waits=2) == "done"  # the recorded one
+        assert ran == [(first, 0), (first, 1)]
+
     def test_negative_control_without_the_attempt_the_copy_runs_again(self, store_app, monkeypatch):
         """With the attempt left out of the identity's record, the stale copy runs the body."""
         import celery_lease._task as task_module
