@@ -1268,28 +1268,32 @@ _CONTEXT_DEFAULTS = tuple(
     for _, attribute in _EXECUTION_OPTIONS
     if getattr(Context, attribute, None) is not None
 )
-#: The wake payload's JSON: compact, and without the circular-reference bookkeeping of
-#: ``json.dumps`` (a circular argument ends in RecursionError, which counts as "not JSON").
+#: The wake payload's JSON: compact, with json's circular-reference check (a circular
+#: argument is a ValueError, "not JSON"; without the check it recurses in C, which a raised
+#: recursion limit lets overflow the C stack). The markers dict is made per call: the C
+#: encoder leaves entries behind when it fails, and threads may encode at once.
 _dump_json: Callable[[Any], str]
 _c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
 if _c_make_encoder is not None:  # (CPython: always)
-    _c_encoder = _c_make_encoder(
-        None,  # no markers: no check for circular references
-        json.JSONEncoder().default,
-        json.encoder.encode_basestring_ascii,
-        None,  # indent
-        ":",
-        ",",
-        False,  # sort_keys
-        False,  # skipkeys
-        True,  # allow_nan
-    )
+    _json_default = json.JSONEncoder().default
 
     def _dump_json(value: Any) -> str:
-        return "".join(_c_encoder(value, 0))
+        return "".join(
+            _c_make_encoder(  # type: ignore[misc]
+                {},  # markers: the circular-reference check
+                _json_default,
+                json.encoder.encode_basestring_ascii,
+                None,  # indent
+                ":",
+                ",",
+                False,  # sort_keys
+                False,  # skipkeys
+                True,  # allow_nan
+            )(value, 0)
+        )
 
 else:  # pragma: no cover - a Python without the C accelerator
-    _dump_json = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+    _dump_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _owner_label(request: Any) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from celery import Celery
@@ -65,11 +68,44 @@ class TestWakePayload:
         assert task._wake_payload(task.request, (object(),), {}, task.lease_settings) is None
 
     def test_circular_arguments_wait_with_the_back_off(self, task):
-        """The payload's encoder skips json's circular-reference check (it runs on every claim):
-        a circular argument still gives no payload, not an error or a hang."""
+        """A circular argument gives no payload, not an error or a hang."""
         loop: list = []
         loop.append(loop)
         assert task._wake_payload(task.request, (loop,), {}, task.lease_settings) is None
+
+    def test_a_circular_argument_at_a_raised_recursion_limit_does_not_crash(self):
+        """Without json's circular-reference check, the C encoder recursed until the C stack
+        overflowed when the process had raised its recursion limit (a segfault). In a
+        subprocess, so that a crash fails this test instead of ending pytest."""
+        code = """if True:
+            import sys
+            from celery import Celery
+            from celery_lease import lease_task
+
+            app = Celery("circ", broker="memory://")
+            app.conf.lease_store_url = "memory://"
+
+            @lease_task(app=app, resource="r-{k}", name="circ.t")
+            def t(k, data):
+                return k
+
+            sys.setrecursionlimit(100000)
+            loop = []
+            loop.append(loop)
+            t.push_request(id="0f0e0d0c-1111-2222-3333-444455556666", args=(1, loop),
+                           kwargs={}, headers={}, delivery_info={"routing_key": "celery"},
+                           is_eager=False, hostname="w@h")
+            print(t._wake_payload(t.request, (1, loop), {}, t.lease_settings))
+        """
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            check=False,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (done.returncode, done.stdout.strip()) == (0, "None"), done.stderr[-2000:]
 
     def test_the_place_outlives_the_longest_back_stop_for_each_number_of_waits(self, task):
         """The kept place, worked out once per number of waits, is the same as computed anew."""
