@@ -208,27 +208,39 @@ class Lease:
         self.handoff: str | None = None
 
     # -- times (store clock) ------------------------------------------------------------------
+    # (The first read converts under the lock: a renewal recorded by the renewer thread
+    # meanwhile must not be overwritten with the older expiry.)
     @property
     def acquired_at(self) -> datetime:
         value = self._acquired_at
-        if not isinstance(value, datetime):
-            value = self._acquired_at = from_micros(value)
-        return value
+        if isinstance(value, datetime):
+            return value
+        with self._lock:
+            value = self._acquired_at
+            if not isinstance(value, datetime):
+                value = self._acquired_at = from_micros(value)
+            return value
 
     @acquired_at.setter
     def acquired_at(self, value: datetime | int) -> None:
-        self._acquired_at = value
+        with self._lock:
+            self._acquired_at = value
 
     @property
     def expires_at(self) -> datetime:
         value = self._expires_at
-        if not isinstance(value, datetime):
-            value = self._expires_at = from_micros(value)
-        return value
+        if isinstance(value, datetime):
+            return value
+        with self._lock:
+            value = self._expires_at
+            if not isinstance(value, datetime):
+                value = self._expires_at = from_micros(value)
+            return value
 
     @expires_at.setter
     def expires_at(self, value: datetime | int) -> None:
-        self._expires_at = value
+        with self._lock:
+            self._expires_at = value
 
     # -- identity ---------------------------------------------------------------------------
     @property
