@@ -1275,7 +1275,12 @@ _CONTEXT_DEFAULTS = tuple(
 _dump_json: Callable[[Any], str]
 _c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
 if _c_make_encoder is not None:  # (CPython: always)
-    _json_default = json.JSONEncoder().default
+    _json_encoder = json.JSONEncoder()
+
+    def _json_default(value: Any) -> Any:
+        # Looked up on each call (only for what is not JSON): an app may patch
+        # json.JSONEncoder.default after import (objects with to_json()), as json.dumps sees.
+        return _json_encoder.default(value)
 
     def _dump_json(value: Any) -> str:
         return "".join(

@@ -73,6 +73,23 @@ class TestWakePayload:
         loop.append(loop)
         assert task._wake_payload(task.request, (loop,), {}, task.lease_settings) is None
 
+    def test_json_encoder_default_patched_after_import_applies(self, task, monkeypatch):
+        """The recipe that patches json.JSONEncoder.default (objects with to_json()) works for
+        the payload as for json.dumps, even when applied after celery_lease is imported."""
+
+        class Money:
+            def to_json(self):
+                return {"money": 3}
+
+        def default(encoder, value):
+            if isinstance(value, Money):
+                return value.to_json()
+            raise TypeError(value)
+
+        monkeypatch.setattr(json.JSONEncoder, "default", default)
+        payload, _ = task._wake_payload(task.request, (1, Money()), {}, task.lease_settings)
+        assert json.loads(payload)["args"] == [1, {"money": 3}]
+
     def test_a_circular_argument_at_a_raised_recursion_limit_does_not_crash(self):
         """Without json's circular-reference check, the C encoder recursed until the C stack
         overflowed when the process had raised its recursion limit (a segfault). In a
