@@ -392,3 +392,25 @@ class TestPostgresRawCursor:
                 store._connections.free.put(held)
         finally:
             store.close()
+
+    def test_a_cursor_factory_the_user_configured_is_kept(self, request, tmp_path):
+        """engine_options connect_args cursor_factory (ClientCursor: the usual setting behind
+        PgBouncer's transaction pooling) gives the store's cursors, as before the kept raw
+        cursor; the long statements still go through a raw cursor, a new one per call."""
+        store = make_store(
+            "postgres",
+            request,
+            tmp_path,
+            engine_options={"connect_args": {"cursor_factory": psycopg.ClientCursor}},
+        )
+        try:
+            for i in range(3):
+                store.release(store.acquire(f"cf-{i}", Owner.new("t"), 30))
+            for _ in range(10):
+                store.get("cf-0")
+            (held,) = store._connections.free._idle
+            assert type(held.cursor) is psycopg.ClientCursor
+            held.cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+            assert held.cursor.fetchone() == (0,)  # client-side binding: nothing prepared
+        finally:
+            store.close()

@@ -355,7 +355,9 @@ _raw_keeping: Any = None  # the class, made at the first PostgreSQL connection (
 
 def raw_keeping_cursor(dbapi_connection: Any) -> Any:
     """A psycopg cursor with a ``raw`` slot for the ``RawCursor`` of the same connection
-    (made at its first use, then reused), or None without psycopg 3.2's ``RawCursor``."""
+    (made at its first use, then reused), or None without psycopg 3.2's ``RawCursor`` or when
+    the connection has the user's ``cursor_factory`` (e.g. ClientCursor behind PgBouncer):
+    their cursor class is kept, and the long statements get a new raw cursor per call."""
     global _raw_keeping  # noqa: PLW0603 - one class per process
     if _raw_keeping is None:
         import psycopg
@@ -372,6 +374,8 @@ def raw_keeping_cursor(dbapi_connection: Any) -> Any:
             _raw_keeping = RawKeepingCursor
     if _raw_keeping is False:
         return None
+    if getattr(dbapi_connection, "cursor_factory", None) is not _raw_keeping.__base__:
+        return None  # the user's cursor_factory (psycopg's own default is psycopg.Cursor)
     cursor = _raw_keeping(dbapi_connection)
     cursor.raw = None
     return cursor
