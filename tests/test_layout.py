@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "foundation",
         {
             "_clock",
+            "_pid",
             "_errors",
             "_failpoints",
             "_interrupt",
