@@ -144,15 +144,15 @@ class Lease:
         acquired_at: when the claim happened, store clock, aware UTC.
         expires_at: when the lease expires unless renewed, store clock, aware UTC; updated on
             every successful renewal.
-
-    A store may pass ``acquired_at`` and ``expires_at`` as store-clock microseconds since the
-    epoch (an ``int``): they become datetimes when first read (most leased tasks never read
-    them, and making two datetimes cost a claim about 2 % of its client CPU).
         ttl: the time to live of the last claim or renewal, seconds.
         margin: seconds before ``ttl`` runs out at which the owner stops acting on its own
             (self-fence); defaults to a quarter of the current ``ttl``.
         previous_owner_label, previous_fence: set when this claim took over an expired lease
             that its owner never released.
+
+    A store may pass ``acquired_at`` and ``expires_at`` as store-clock microseconds since the
+    epoch (an ``int``): they become datetimes when first read (most leased tasks never read
+    them, and making two datetimes cost a claim about 2 % of its client CPU).
     """
 
     def __init__(
@@ -210,16 +210,20 @@ class Lease:
     # -- times (store clock) ------------------------------------------------------------------
     # (The first read converts under the lock: a renewal recorded by the renewer thread
     # meanwhile must not be overwritten with the older expiry.)
-    @property
-    def acquired_at(self) -> datetime:
-        value = self._acquired_at
+    def _time(self, name: str) -> datetime:
+        value = getattr(self, name)
         if isinstance(value, datetime):
             return value
         with self._lock:
-            value = self._acquired_at
+            value = getattr(self, name)
             if not isinstance(value, datetime):
-                value = self._acquired_at = from_micros(value)
+                value = from_micros(value)
+                setattr(self, name, value)
             return value
+
+    @property
+    def acquired_at(self) -> datetime:
+        return self._time("_acquired_at")
 
     @acquired_at.setter
     def acquired_at(self, value: datetime | int) -> None:
@@ -228,14 +232,7 @@ class Lease:
 
     @property
     def expires_at(self) -> datetime:
-        value = self._expires_at
-        if isinstance(value, datetime):
-            return value
-        with self._lock:
-            value = self._expires_at
-            if not isinstance(value, datetime):
-                value = self._expires_at = from_micros(value)
-            return value
+        return self._time("_expires_at")
 
     @expires_at.setter
     def expires_at(self, value: datetime | int) -> None:

@@ -27,7 +27,5 @@ def _after_fork_in_child() -> None:
     _pid = os.getpid()
 
 
-if hasattr(os, "register_at_fork"):
+if hasattr(os, "register_at_fork"):  # (no fork() without it, as on Windows: nothing to refresh)
     os.register_at_fork(after_in_child=_after_fork_in_child)
-else:  # pragma: no cover - no fork() here (Windows): nothing ever needs refreshing
-    pass
