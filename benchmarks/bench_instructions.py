@@ -68,7 +68,9 @@ VARIANTS = {  # variant -> (store, tracer task or None for the floor)
 WARMUP = 100  # untimed tasks per variant before counting: connections, scripts, caches
 
 
-def runners(app: Any, names: list[str], redis_url: str | None, postgres_url: str | None) -> dict[str, Callable[[int], None]]:
+def runners(
+    app: Any, names: list[str], redis_url: str | None, postgres_url: str | None
+) -> dict[str, Callable[[int], None]]:
     out: dict[str, Callable[[int], None]] = {}
     for name in names:
         store, task = VARIANTS[name]
