@@ -172,6 +172,7 @@ class Lease:
         identity: str | None = None,
         identity_state: str | None = None,
         checkpoints: dict[str, Any] | None = None,
+        identity_owner_label: str | None = None,
     ) -> None:
         self.resource = resource
         self.owner = owner
@@ -190,6 +191,10 @@ class Lease:
         #: ``identity_attempt``: the attempt (``request.retries``) that record names as current:
         #: a copy of an earlier attempt is superseded (0: none recorded).
         self.identity_state, self.identity_attempt = split_identity_state(identity_state)
+        #: The label of the owner the identity's record names (the last attempt's: its task id
+        #: tells a copy of a failed execution from another message sharing the identity), when
+        #: the claim found a record (None also when the store does not say).
+        self.identity_owner_label = identity_owner_label
         #: Progress recorded by earlier owners of this identity (step -> data), oldest first.
         self.checkpoints: dict[str, Any] = dict(checkpoints or {})
         # Monotonic time at which the last successful claim/renewal was *sent*: the lease was

@@ -253,11 +253,11 @@ class MemoryLeaseStore(BaseLeaseStore):
                 self._leases[resource] = record
                 previous = None if current is None else (current.label, current.fence)
                 checkpoints = None
-                state = None
+                state = label = None
                 if identity is not None and ident is not None:
                     before_label, before_fence = previous or (None, None)
                     previous = previous_owner(before_label, before_fence, ident[2], ident[1])
-                    state = ident[0]
+                    state, label = ident[0], ident[2]
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
                 if previous is not None or state is not None:
@@ -286,6 +286,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             identity=identity,
             identity_state=state,
             checkpoints=checkpoints,
+            identity_owner_label=label if state is not None else None,
         )
 
     def _index(self, expires_us: int, table: int, key: Any) -> None:

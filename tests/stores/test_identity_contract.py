@@ -78,6 +78,24 @@ class TestIdentity:
             )
             store.release(again)
 
+    def test_a_claim_names_the_owner_of_the_identity_record_it_found(self, store, names):
+        """identity_owner_label: the owner the identity's record names (the failed attempt's;
+        a task tells a copy of that execution by the task id in it), also when an expired,
+        never released lease of other work lies between (previous_owner_label names that
+        one); None for a first claim."""
+        first = claim(store, names, owner="host:1:task-a", identity="job-f")
+        assert first.identity_owner_label is None
+        assert store.release(first, outcome="failed")
+        claim(store, names, owner="crashed", identity="other", ttl=SHORT)
+        expire(store, names + "r")
+        again = claim(store, names, owner="host:2:task-b", identity="job-f")
+        assert (again.identity_state, again.identity_owner_label) == ("failed", "host:1:task-a")
+        assert again.previous_owner_label == "crashed"
+        assert store.release(again, outcome="failed:2")
+        third = claim(store, names, owner="w3", identity="job-f")
+        assert (third.identity_state, third.identity_attempt) == ("failed", 2)
+        assert third.identity_owner_label == "host:2:task-b"
+
     def test_a_crashed_owner_is_recovered_from_lease_and_identity(self, store, names):
         """Expired, never released: the takeover reports the crashed owner."""
         first = claim(store, names, owner="crashed", ttl=SHORT)

@@ -308,6 +308,7 @@ class RedisLeaseStore(BaseLeaseStore):
             identity=identity,
             identity_state=None if i_state is None else _text(i_state),
             checkpoints=checkpoints,
+            identity_owner_label=None if i_state is None or i_label is None else _text(i_label),
         )
 
     def _renew_call(

@@ -339,6 +339,7 @@ class SQLLeaseStore(BaseLeaseStore):
                 identity=identity,
                 identity_state=i_state,
                 checkpoints=decode(ckpt) if ckpt and prev_fence is not None else None,
+                identity_owner_label=i_label if i_state is not None else None,
             )
         raise LeaseBusyError.held(resource, None, None, None)
 
