@@ -380,7 +380,12 @@ class LeaseTask(Task):  # type: ignore[misc]
         failpoints.hit("after_acquire")
         events.record(_CLAIMS, _CLAIM_SECONDS, claim_seconds)
         self._log("claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label)
-        if lease.identity_attempt > (request.retries or 0):
+        if lease.identity_state == "failed":
+            if _copy_of_failed(lease, request):
+                # A copy of this execution that already ran and failed (a waiter's woken copy
+                # and its back-stop copy: the one that claimed first ran the body).
+                return self._failed_copy(lease)
+        elif lease.identity_attempt > (request.retries or 0):
             # A copy of an attempt the identity has moved past (a back-stop re-queued before
             # a woken copy ran this attempt and retried): a copy of the newer one runs it.
             return self._superseded(lease, settings)
@@ -479,6 +484,28 @@ class LeaseTask(Task):  # type: ignore[misc]
             f"{lease.identity_attempt}"
         )
 
+    def _failed_copy(self, lease: Lease) -> Any:
+        """Drop a copy of an execution whose body already ran and failed: give the lease back
+        with the identity's record as it was found (a new message sharing the identity still
+        runs) and end without storing a result (the FAILURE of the run that happened stays)."""
+        request = self.request
+        events.count("celery_lease_duplicates_total")
+        self._log(
+            "duplicate",
+            logging.INFO,
+            lease.resource,
+            lease.fence,
+            lease.owner.label,
+            identity=lease.identity,
+            attempt=request.retries or 0,
+            action="dropped a copy of a failed execution",
+        )
+        self._release(lease, identity_outcome("failed", lease.identity_attempt), None)
+        raise Ignore(
+            f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
+            f"(task id {request.id})"
+        )
+
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
@@ -575,8 +602,14 @@ class LeaseTask(Task):  # type: ignore[misc]
                 if isinstance(exc, Retry):  # self.retry(): the next attempt is the current one
                     attempt += 1
                 raise
+            except Exception:
+                interrupter.disarm()
+                raise  # a failure: copies of this execution end without running it again
             except BaseException:
                 interrupter.disarm()
+                # SystemExit, KeyboardInterrupt, GreenletExit: the worker stops, Celery stores
+                # no failure and a redelivery runs the attempt again
+                outcome = "retry"
                 raise
         finally:
             if hold is not None:
@@ -1304,6 +1337,26 @@ else:  # pragma: no cover - a Python without the C accelerator
 def _owner_label(request: Any) -> str:
     host = request.hostname or socket.gethostname()
     return f"{host}:{getpid()}:{request.id or 'direct'}"
+
+
+def _copy_of_failed(lease: Lease, request: Any) -> bool:
+    """Whether this message is a copy of the execution whose failure the identity's record
+    names (its body ran and raised): the same task id (the owner label the record names ends
+    with it, see _owner_label), and an earlier attempt or a copy of the failed one that the
+    hand-off made (a woken or back-stop copy: it counts its waits). Another task id sharing
+    the identity is a new submission and runs; so do a later attempt (``self.retry()`` sent
+    before the failure) and a redelivery of the failed message itself (its worker died before
+    Celery stored the failure)."""
+    task_id = request.id
+    retries = request.retries or 0
+    if task_id is None or retries > lease.identity_attempt:
+        return False
+    label = lease.identity_owner_label or lease.previous_owner_label
+    if label is None or not label.endswith(f":{task_id}"):
+        return False
+    if not label[: -len(task_id) - 1].rpartition(":")[2].isdigit():  # host:pid:<task id>
+        return False
+    return retries < lease.identity_attempt or int(_header(request, WAITS_HEADER) or 0) > 0
 
 
 def lease_task(

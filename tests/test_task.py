@@ -500,3 +500,112 @@ class TestSupersededAttempt:
         ran, outcome = self._scenario(store_app)
         assert ran == [0, 0, 1]
         assert outcome[0] == "ran again"
+
+
+class TestFailedCopy:
+    """A copy of an execution whose body already ran and failed ends unrun; other work runs."""
+
+    _deliver = staticmethod(TestSupersededAttempt._deliver)
+
+    @pytest.fixture(params=["memory", "sqlite"])
+    def store_app(self, request, app):
+        if request.param == "memory":
+            app.conf.lease_store_url = "memory://"
+        return app
+
+    @staticmethod
+    def _task(app, ran, identity=None, fail=ValueError, **options):
+        @lease_task(app=app, resource="fc:{n}", identity=identity, bind=True, **options)
+        def task(self, n):
+            ran.append((self.request.id, self.request.retries))
+            if fail is not None:
+                raise fail(f"run {len(ran)}")
+            return "done"
+
+        return task
+
+    def _ends(self, task, task_id, retries=0, waits=1):
+        from celery.exceptions import Ignore
+
+        try:
+            return self._deliver(task, task_id, retries=retries, waits=waits)
+        except Ignore:
+            return "dropped"
+        except ValueError:
+            return "failed"
+
+    def test_the_other_copies_of_a_failed_execution_do_not_run_it(self, store_app):
+        """Its woken copy fails; its back-stop copy and copies of older waits end Ignore'd (the
+        FAILURE stays). Failed before: each ran the body again ([run 1, run 2, ...])."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran)
+        task_id = unique("task")
+        assert self._ends(task, task_id) == "failed"  # the woken copy
+        assert [self._ends(task, task_id, waits=w) for w in (1, 2, 3)] == ["dropped"] * 3
+        assert ran == [(task_id, 0)]
+        info = get_store(store_app).identity_get("fc:1", task_id)
+        assert (info.state, info.attempt) == ("failed", 0)  # the record as it was
+
+    def test_a_copy_of_an_earlier_attempt_of_a_failed_one_is_dropped(self, store_app):
+        """Attempt 2 fails (``failed:2``): copies of attempts 0..2 end unrun, a later attempt
+        (self.retry(throw=False) sent before the failure) runs."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran)
+        task_id = unique("task")
+        assert self._ends(task, task_id, retries=2) == "failed"
+        assert [self._ends(task, task_id, retries=r) for r in (0, 1, 2)] == ["dropped"] * 3
+        assert self._ends(task, task_id, retries=3) == "failed"
+        assert ran == [(task_id, 2), (task_id, 3)]
+
+    @pytest.mark.parametrize("retries", [0, 2])
+    def test_another_task_id_sharing_the_identity_runs_after_a_failure(self, store_app, retries):
+        """A failure is not done: a new send sharing the identity (template, idempotency key)
+        runs the body, as a recovery. Failed before with the failure at attempt 2: the new
+        send (attempt 0) was dropped as superseded (Ignore: PENDING for ever)."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran, identity="fc-job-{n}")
+        first, second = unique("first"), unique("second")
+        assert self._ends(task, first, retries=retries) == "failed"
+        assert self._ends(task, second, waits=1) == "failed"  # (a waiter's copy, too)
+        assert ran == [(first, retries), (second, 0)]
+
+    def test_a_redelivery_of_the_failed_message_itself_runs(self, store_app):
+        """A message the hand-off did not copy (no waits counted: the original, redelivered
+        because its worker died before Celery stored the failure) runs again, as before."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran)
+        task_id = unique("task")
+        assert self._ends(task, task_id, waits=0) == "failed"
+        assert self._ends(task, task_id, waits=0) == "failed"
+        assert len(ran) == 2
+
+    @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+    def test_a_body_stopped_by_the_worker_is_not_a_failure(self, store_app, stop):
+        """SystemExit / KeyboardInterrupt out of the body: Celery stores no failure and the
+        message comes back; the record says ``retry``, so a copy runs the attempt again."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran, fail=stop)
+        task_id = unique("task")
+        with pytest.raises(stop):
+            self._deliver(task, task_id, retries=0, waits=1)
+        assert get_store(store_app).identity_get("fc:1", task_id).state == "retry"
+        with pytest.raises(stop):
+            self._deliver(task, task_id, retries=0, waits=1)
+        assert len(ran) == 2
+
+    def test_without_an_identity_nothing_is_recorded_and_copies_run(self, store_app):
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran, identity=False)
+        task_id = unique("task")
+        assert [self._ends(task, task_id, waits=w) for w in (1, 2)] == ["failed", "failed"]
+        assert len(ran) == 2
+
+    def test_negative_control_without_the_check_the_copies_run_again(self, store_app, monkeypatch):
+        import celery_lease._task as task_module
+
+        monkeypatch.setattr(task_module, "_copy_of_failed", lambda lease, request: False)
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran)
+        task_id = unique("task")
+        assert [self._ends(task, task_id, waits=w) for w in (1, 1, 2)] == ["failed"] * 3
+        assert ran == [(task_id, 0)] * 3

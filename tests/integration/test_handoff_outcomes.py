@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import missing, unique
-from tests.integration.harness import wait_success, worker_store
+from tests.integration.harness import backend_meta, wait_success, worker_store
 from tests.tooling.servers import RedisServer, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
@@ -166,3 +166,54 @@ def test_a_back_stop_copy_of_a_retried_attempt_does_not_run_it_again(
     # (every copy of attempt 0 queued before the retry has come back by now: 0.3 s apart)
     runs = [e["retries"] for e in events.where(ev="enter", res=n, k=1)]
     assert runs == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("first", "check"), [("woken", "on"), ("back-stop", "on"), ("woken", "off")]
+)
+def test_a_copy_of_a_failed_execution_does_not_run_it_again(
+    it_app, start_worker, store_env, events, queue, tmp_path, first, check
+):
+    """A refused waiter has two copies: its woken copy and its back-stop copy (a countdown,
+    1 s after each refused claim here: the back-off cap). Whichever claims first runs the body
+    and fails with an ordinary exception; the other must end unrun (IGNORED), leaving the
+    FAILURE of the run that happened, with its exception.
+
+    ``woken``: the holder releases 1.5 s in and wakes the waiter at once; its next back-stop
+    copy comes ~0.5 s after the woken copy failed. ``back-stop``: the holder's worker sleeps
+    2.5 s between its release and the wake (failpoint ``before_wake``), so the back-stop copy
+    claims the free resource first and the woken copy comes after its failure. Negative
+    control (``off``: the check patched out in the worker): the back-stop copy runs the body
+    again and its FAILURE is stored over the first.
+    Failed before: the body ran twice (runs 1 and 2; the second FAILURE stored over the first).
+    """
+    env = {**store_env("redis"), "CL_TTL": "2", "CL_BACKOFF_CAP": "1.0"}
+    if check == "off":
+        env["CL_FAILED_COPY"] = "run"
+    if first == "back-stop":
+        env["CELERY_LEASE_FAILPOINTS"] = "before_wake=sleep:2.5"
+        env["CELERY_LEASE_FAILPOINTS_ONCE"] = str(tmp_path / "once")
+    start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("fc")
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_fail.apply_async((n, 1, 0.1), queue=queue)
+    events.wait(ev="retry", task=waiter.id)
+    assert holder.get(timeout=60) == 0
+
+    def ended() -> list[str]:
+        return [e["state"] for e in events.where(ev="postrun", task=waiter.id)]
+
+    # Both copies end: the one that ran, and the other (a second run before the fix).
+    wait_for(lambda: len([s for s in ended() if s != "RETRY"]) >= 2, SLACK, "both copies to end")
+    entered = events.where(ev="enter", res=n, k=1)
+    meta = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    if check == "off":
+        assert [(e["run"], e["woken"]) for e in entered] == [(1, True), (2, False)], entered
+        assert [s for s in ended() if s != "RETRY"] == ["FAILURE", "FAILURE"], ended()
+        assert str(meta["result"]) == "body run 2", meta
+        return
+    assert [(e["run"], e["woken"]) for e in entered] == [(1, first == "woken")], entered
+    assert [s for s in ended() if s != "RETRY"] == ["FAILURE", "IGNORED"], ended()
+    assert meta["status"] == "FAILURE", meta
+    assert (type(meta["result"]), str(meta["result"])) == (ValueError, "body run 1"), meta

@@ -30,6 +30,7 @@ from celery_lease import (
     current_lease,
     lease_task,
 )
+from celery_lease._task import WOKEN_HEADER as WOKEN
 
 env = os.environ
 app = Celery("lease_it", broker=env.get("CL_BROKER", "memory://"))
@@ -562,6 +563,14 @@ if env.get("CL_DUPLICATE_REARM") == "off":
     LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
 
 
+if env.get("CL_FAILED_COPY") == "run":
+    # Negative control of test_handoff_outcomes.py: no copy is taken for one of a failed
+    # execution, so the other copy of a failed waiter runs its body again.
+    import celery_lease._task as _task_module
+
+    _task_module._copy_of_failed = lambda lease, request: False  # type: ignore[assignment]
+
+
 if env.get("CL_BACKSTOP") == "off":
     # Negative control of test_handoff_outcomes.py (there is no setting for it): a listed
     # waiter's re-queued copy comes 10 minutes later, so only a wake would run it in time.
@@ -616,6 +625,24 @@ def fifo_retry_once(self: Any, n: int, k: int, countdown: float) -> int:
     if self.request.retries == 0:
         raise self.retry(countdown=countdown)
     return k
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True)
+def fifo_fail(self: Any, n: int, k: int, hold: float) -> int:
+    """Waits for fifo-<n> with the hand-off, holds it ``hold`` s and fails with a ValueError
+    naming how many times its body ran (``enter`` says whether this copy was woken)."""
+    runs = coord().incr(f"{env['CL_EVENTS']}:runs:{n}:{k}")
+    woken = self.request.get(WOKEN) or (self.request.headers or {}).get(WOKEN)
+    report("enter", res=n, k=k, task=self.request.id, run=runs, woken=woken is not None)
+    time.sleep(hold)
+    raise ValueError(f"body run {runs}")
+
+
+@signals.task_postrun.connect
+def _on_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+    """How each copy of fifo_fail ended (RETRY: re-queued; IGNORED: dropped unrun)."""
+    if getattr(sender, "name", "").endswith(".fifo_fail"):
+        report("postrun", task=task_id, state=state)
 
 
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).
