@@ -80,7 +80,8 @@ class Hold:
         # Counted from when the claim was sent, as the lease time and later renewals are:
         # counted from the hold (after the claim's reply), a round trip near ttl/3 made the
         # first renewal's reply arrive after the self-fence deadline.
-        self.next_due = lease.sent_monotonic + interval * (1 - random.uniform(0, JITTER))
+        # (random() * JITTER: the value random.uniform(0, JITTER) gives, without its call)
+        self.next_due = lease.sent_monotonic + interval * (1 - random.random() * JITTER)
         self.on_lost = on_lost
         self.done = False
         #: The last renewal failed: retry at next_due itself, never earlier (see _due).
@@ -110,7 +111,10 @@ class Renewer:
     """
 
     def __init__(self, *, lanes: int = TOTAL) -> None:
-        self._cond = threading.Condition()
+        # The condition's lock, taken directly on the per-task paths (hold, drop): the same
+        # lock ``with self._cond`` takes, without Condition.__enter__'s Python frame.
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self._holds: set[Hold] = set()
         self._calls: set[_Call] = set()
         self._thread: threading.Thread | None = None
@@ -144,7 +148,7 @@ class Renewer:
         """Start renewing ``lease`` every ``interval`` s, for at most ``max_runtime`` s."""
         hold = Hold(lease, interval, max_runtime, on_lost)
         self.prepare(hold.store)
-        with self._cond:
+        with self._mutex:
             self._closing = False
             self._holds.add(hold)
             if self._thread is None or not self._thread.is_alive():
@@ -175,7 +179,7 @@ class Renewer:
 
     def drop(self, hold: Hold) -> None:
         """Stop renewing (the lease was released or the task ended). Never renews it again."""
-        with self._cond:
+        with self._mutex:
             hold.done = True
             self._holds.discard(hold)
 
