@@ -114,10 +114,14 @@ STORE_DOWN_HEADER = "celery_lease_store_down_since"
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
 #: The series every claim and release counts (looked up once, not per task).
-_CLAIMS = metrics.Series("c", "celery_lease_claims_total")
-_CLAIM_SECONDS = metrics.Series("h", "celery_lease_acquire_seconds", result="claimed")
-_RELEASES = metrics.Series("c", "celery_lease_releases_total")
-_HOLD_SECONDS = metrics.Series("h", "celery_lease_hold_seconds")
+_CLAIMED = events.Recorder(
+    metrics.Series("c", "celery_lease_claims_total"),
+    metrics.Series("h", "celery_lease_acquire_seconds", result="claimed"),
+)
+_RELEASED = events.Recorder(
+    metrics.Series("c", "celery_lease_releases_total"),
+    metrics.Series("h", "celery_lease_hold_seconds"),
+)
 
 _current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
 
@@ -378,7 +382,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if outage.down:  # (one dict test while the store is fine)
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
-        events.record(_CLAIMS, _CLAIM_SECONDS, claim_seconds)
+        _CLAIMED.record(claim_seconds)
         self._log("claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label)
         if lease.identity_state == "failed":
             if _copy_of_failed(lease, request):
@@ -682,7 +686,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             if held_since is not None:
                 held = _clock.monotonic() - held_since
                 if released:
-                    events.record(_RELEASES, _HOLD_SECONDS, held)
+                    _RELEASED.record(held)
                 else:
                     events.observe_hold(held)
         if lease.handoff is not None:
