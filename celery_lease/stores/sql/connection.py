@@ -22,7 +22,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from ..._errors import LeaseConfigError, LeaseStoreError
+from ..._errors import LeaseConfigError, LeaseError, LeaseStoreError
 from ..._interrupt import shielded
 from ..._names import check_credentials, mask_url
 from ..._pid import getpid
@@ -77,32 +77,37 @@ class Connections:
         try:
             yield
         except (SQLAlchemyError, self.dbapi_error) as exc:
-            if permission_denied(exc):  # nothing ran: a right is missing, say which GRANT
-                raise LeaseStoreError(
-                    f"SQL lease store {self.url} was refused during {what}: "
-                    f"{first_line(exc)}; the role {self.engine.url.username or '?'!r} lacks a "
-                    f"right the store needs: as the tables' owner run {self.grant_advice(exc)} "
-                    "(nothing was changed)"
-                ) from exc
-            if undefined_object(exc):  # tables of an earlier version, or none at all
-                problem = self._schema_problem()
-                if problem is not None:
-                    raise LeaseConfigError(
-                        f"SQL lease store {self.url} failed during {what}: {problem}"
-                    ) from exc
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            # A refusal on a retry follows a dropped connection that may have run the statement.
-            if first_attempt and connection_refused(exc):
-                raise LeaseStoreError(
-                    f"SQL lease store {self.url} refused the connection during {what} "
-                    f"({type(exc).__name__}: {first}): nothing was sent; the server is "
-                    "down or not listening at that address",
-                    True,
-                ) from exc
-            raise LeaseStoreError(
-                f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
-                f"{first}; the outcome is unknown"
-            ) from exc
+            raise self.translated(exc, what, first_attempt) from exc
+
+    def translated(self, exc: BaseException, what: str, first_attempt: bool = True) -> LeaseError:
+        """The LeaseStoreError (or LeaseConfigError) that the driver error ``exc`` becomes
+        (call it while handling ``exc``)."""
+        if permission_denied(exc):  # nothing ran: a right is missing, say which GRANT
+            return LeaseStoreError(
+                f"SQL lease store {self.url} was refused during {what}: "
+                f"{first_line(exc)}; the role {self.engine.url.username or '?'!r} lacks a "
+                f"right the store needs: as the tables' owner run {self.grant_advice(exc)} "
+                "(nothing was changed)"
+            )
+        if undefined_object(exc):  # tables of an earlier version, or none at all
+            problem = self._schema_problem()
+            if problem is not None:
+                return LeaseConfigError(
+                    f"SQL lease store {self.url} failed during {what}: {problem}"
+                )
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        # A refusal on a retry follows a dropped connection that may have run the statement.
+        if first_attempt and connection_refused(exc):
+            return LeaseStoreError(
+                f"SQL lease store {self.url} refused the connection during {what} "
+                f"({type(exc).__name__}: {first}): nothing was sent; the server is "
+                "down or not listening at that address",
+                True,
+            )
+        return LeaseStoreError(
+            f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
+            f"{first}; the outcome is unknown"
+        )
 
     def _schema_problem(self) -> str | None:
         try:
@@ -127,7 +132,12 @@ class Connections:
         if free is None:
             free = self.free
         for attempt in (1, 2):
-            with shielded(), self.translate(what, attempt == 1):
+            # What ``with shielded(), self.translate(what, attempt == 1):`` does, as plain
+            # calls: a with statement calls a Python __enter__/__exit__ through a fresh
+            # interpreter frame from C, which cost a claim and a release more than this.
+            shield = shielded()
+            shield.__enter__()
+            try:
                 if self.serial is not None:
                     self.serial.acquire()
                 try:
@@ -163,6 +173,10 @@ class Connections:
                 finally:
                     if self.serial is not None:
                         self.serial.release()
+            except (SQLAlchemyError, self.dbapi_error) as exc:
+                raise self.translated(exc, what, attempt == 1) from exc
+            finally:
+                shield.__exit__()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _connect(self) -> Connection:
