@@ -33,7 +33,7 @@ from dataclasses import fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery import Task, shared_task
+from celery import Task, shared_task, states
 from celery._state import _task_stack
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
@@ -505,10 +505,26 @@ class LeaseTask(Task):  # type: ignore[misc]
             action="dropped a copy of a failed execution",
         )
         self._release(lease, identity_outcome("failed", lease.identity_attempt), None)
-        raise Ignore(
+        why = (
             f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
             f"(task id {request.id})"
         )
+        if self.track_started and not (request.is_eager or _ignores_result(self, request)):
+            # Celery stored STARTED over that FAILURE before this copy claimed
+            # (task_track_started): without a failure stored again the task reads as running
+            # for ever. The first exception is gone; this one says what happened.
+            try:
+                self.backend.store_result(
+                    request.id,
+                    LeaseError(f"{why}; this copy ended without running it"),
+                    states.FAILURE,
+                    request=request,
+                )
+            except Exception:
+                log.exception(
+                    "task %s[%s]: storing the failure again failed", self.name, request.id
+                )
+        raise Ignore(why)
 
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
@@ -1341,6 +1357,10 @@ else:  # pragma: no cover - a Python without the C accelerator
 def _owner_label(request: Any) -> str:
     host = request.hostname or socket.gethostname()
     return f"{host}:{getpid()}:{request.id or 'direct'}"
+
+
+def _ignores_result(task: Any, request: Any) -> bool:
+    return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
 def _copy_of_failed(lease: Lease, request: Any) -> bool:

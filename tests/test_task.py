@@ -546,6 +546,25 @@ class TestFailedCopy:
         info = get_store(store_app).identity_get("fc:1", task_id)
         assert (info.state, info.attempt) == ("failed", 0)  # the record as it was
 
+    @pytest.mark.parametrize("track_started", [False, True])
+    def test_a_dropped_copy_stores_a_failure_again_only_over_its_started(
+        self, store_app, track_started
+    ):
+        """Nothing is stored for a dropped copy (the run's FAILURE stays), unless Celery stored
+        STARTED over it for this copy (task_track_started): then a FAILURE naming the earlier
+        failure is stored, else the task would read as running for ever."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran, track_started=track_started)
+        task_id = unique("task")
+        assert self._ends(task, task_id) == "failed"  # (called here: nothing stored for it)
+        assert self._ends(task, task_id) == "dropped"
+        meta = store_app.backend.get_task_meta(task_id)
+        if not track_started:
+            assert meta["status"] == "PENDING"
+            return
+        assert meta["status"] == "FAILURE"
+        assert "already ran and failed" in str(meta["result"])
+
     def test_a_copy_of_an_earlier_attempt_of_a_failed_one_is_dropped(self, store_app):
         """Attempt 2 fails (``failed:2``): copies of attempts 0..2 end unrun, a later attempt
         (self.retry(throw=False) sent before the failure) runs."""

@@ -169,7 +169,8 @@ def test_a_back_stop_copy_of_a_retried_attempt_does_not_run_it_again(
 
 
 @pytest.mark.parametrize(
-    ("first", "check"), [("woken", "on"), ("back-stop", "on"), ("woken", "off")]
+    ("first", "check"),
+    [("woken", "on"), ("back-stop", "on"), ("woken", "off"), ("woken", "track_started")],
 )
 def test_a_copy_of_a_failed_execution_does_not_run_it_again(
     it_app, start_worker, store_env, events, queue, tmp_path, first, check
@@ -184,12 +185,16 @@ def test_a_copy_of_a_failed_execution_does_not_run_it_again(
     2.5 s between its release and the wake (failpoint ``before_wake``), so the back-stop copy
     claims the free resource first and the woken copy comes after its failure. Negative
     control (``off``: the check patched out in the worker): the back-stop copy runs the body
-    again and its FAILURE is stored over the first.
+    again and its FAILURE is stored over the first. ``track_started``: Celery stores STARTED
+    over the FAILURE before the dropped copy's claim; a FAILURE naming the earlier failure is
+    stored again (before: STARTED for ever).
     Failed before: the body ran twice (runs 1 and 2; the second FAILURE stored over the first).
     """
     env = {**store_env("redis"), "CL_TTL": "2", "CL_BACKOFF_CAP": "1.0"}
     if check == "off":
         env["CL_FAILED_COPY"] = "run"
+    if check == "track_started":
+        env["CL_TRACK_STARTED"] = "1"
     if first == "back-stop":
         env["CELERY_LEASE_FAILPOINTS"] = "before_wake=sleep:2.5"
         env["CELERY_LEASE_FAILPOINTS_ONCE"] = str(tmp_path / "once")
@@ -216,4 +221,8 @@ def test_a_copy_of_a_failed_execution_does_not_run_it_again(
     assert [(e["run"], e["woken"]) for e in entered] == [(1, first == "woken")], entered
     assert [s for s in ended() if s != "RETRY"] == ["FAILURE", "IGNORED"], ended()
     assert meta["status"] == "FAILURE", meta
+    if check == "track_started":
+        assert type(meta["result"]).__name__ == "LeaseError", meta
+        assert "already ran and failed" in str(meta["result"]), meta
+        return
     assert (type(meta["result"]), str(meta["result"])) == (ValueError, "body run 1"), meta

@@ -50,6 +50,8 @@ app.conf.update(
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
 )
+if env.get("CL_TRACK_STARTED"):
+    app.conf.task_track_started = True
 if env.get("CL_HANDOFF"):  # unset: the library's default (on)
     app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
 if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
