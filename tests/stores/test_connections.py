@@ -414,3 +414,49 @@ class TestPostgresRawCursor:
             assert held.cursor.fetchone() == (0,)  # client-side binding: nothing prepared
         finally:
             store.close()
+
+
+class TestRedisEvalshaHead:
+    """A script call packs its head (EVALSHA, sha, key count, keys) once and the arguments per
+    call: the server must see exactly the command packed whole."""
+
+    ECHO = "return {KEYS, ARGV}"
+
+    @pytest.mark.parametrize(
+        ("keys", "args"),
+        [
+            (["k:{a}1", "k:{a}2"], ["r", "0123abcd", "w@h:1:t", 30_000_000, "", 7, 1.5]),
+            (["k:{a}1"], ["\u00e9\u00f8\u4e2d", b"raw\r\nbytes", "a\r\nb", -1, 0, "x" * 3000]),
+            ([], ["only", "args"]),
+            (["k:{a}1", "k:{a}2", "k:{a}3"], []),
+            ([], []),
+        ],
+    )
+    def test_the_server_sees_the_command_as_packed_whole(self, redis_server, keys, args):
+        from hiredis import pack_command
+
+        from celery_lease.stores.redis.connection import Connections, Script
+
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            connections = Connections(client)
+            assert connections.pack is not None  # the path under test (hiredis)
+            script = Script(connections, self.ECHO)
+            script.load()
+            for _ in range(2):  # the second call reuses the kept head
+                got_keys, got_args = script(keys=keys, args=args)
+                assert [k.decode() for k in got_keys] == keys
+                assert got_args == [a if isinstance(a, bytes) else str(a).encode() for a in args]
+            # The bytes sent: what packing the whole command gives.
+            sent: list[bytes] = []
+            conn = connections.free.get()
+            original = conn.send_packed_command
+            conn.send_packed_command = lambda packed, **kw: (
+                sent.append(b"".join(packed)),
+                original(packed, **kw),
+            )
+            connections.free.put(conn)
+            script(keys=keys, args=args)
+            assert sent == [pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))]
+        finally:
+            client.close()
