@@ -352,6 +352,10 @@ class Raw(NamedTuple):
     text: str  # with %(name)s placeholders
     dollar: str  # the same with $1, $2, ... (each name numbered once)
     names: tuple[str, ...]  # the parameter of each $n, in order
+    #: ``dollar`` as sent: bytes made once when it is ASCII (what psycopg's encoding of it gives
+    #: in every client encoding), so psycopg neither encodes it nor hashes a new copy of a
+    #: statement of several KB for its prepared-statement lookup on every call.
+    query: str | bytes
 
 
 def raw(text: str) -> Raw:
@@ -364,7 +368,8 @@ def raw(text: str) -> Raw:
         return f"${names.index(match[1]) + 1}"
 
     text = " ".join(text.split())  # (no literal in these statements holds a space)
-    return Raw(text, re.sub(r"%\((\w+)\)s", number, text), tuple(names))
+    dollar = re.sub(r"%\((\w+)\)s", number, text)
+    return Raw(text, dollar, tuple(names), dollar.encode() if dollar.isascii() else dollar)
 
 
 def fetch(cursor: Any, statement: Raw, params: dict[str, Any]) -> Any:
@@ -385,9 +390,9 @@ def fetch(cursor: Any, statement: Raw, params: dict[str, Any]) -> Any:
     kept: Any = getattr(cursor, "raw", False)  # the store's cursors keep theirs (None: not yet)
     if kept is False:
         with raw_cursor(cursor.connection) as rc:
-            rc.execute(statement.dollar, values)
+            rc.execute(statement.query, values)
             return rc.fetchone()
     if kept is None:
         kept = cursor.raw = raw_cursor(cursor.connection)
-    kept.execute(statement.dollar, values)
+    kept.execute(statement.query, values)
     return kept.fetchone()
