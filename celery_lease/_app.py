@@ -34,13 +34,18 @@ from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
 
 __all__ = [
+    "WAKE_QUEUE_SUFFIX",
     "LeaseBootstep",
+    "LeaseWakeQueues",
     "get_store",
     "install",
     "overridden_store",
     "override_store",
     "release_all_held",
     "store_timeout",
+    "wake_queue",
+    "wake_queue_for",
+    "wake_queues_on",
 ]
 
 log = logging.getLogger(__name__)
@@ -373,11 +378,12 @@ def register_task_type(cls: type) -> None:
 
 
 def install(app: Any) -> None:
-    """Add the lease bootstep and the ``--lease-*`` worker options to ``app`` (idempotent)."""
+    """Add the lease bootsteps and the ``--lease-*`` worker options to ``app`` (idempotent)."""
     if app in _installed:
         return
     _installed.add(app)
     app.steps["worker"].add(LeaseBootstep)
+    app.steps["consumer"].add(LeaseWakeQueues)
     events.register_prometheus()
     try:
         from click import Option
@@ -407,3 +413,155 @@ def install(app: Any) -> None:
             ),
         }
     )
+
+
+# -- wake queues ---------------------------------------------------------------------------------
+#: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
+WAKE_QUEUE_SUFFIX = ".lease-wake"
+#: Broker transports (kombu's ``driver_type``) whose queue names and routing we checked: any
+#: name up to 255 bytes on AMQP (but ``amq.*``), any key on Redis; a publish to the default
+#: exchange ('') with the queue's name as routing key reaches that queue alone on both.
+_WAKE_TRANSPORTS = frozenset({"redis", "amqp"})
+_AMQP_NAME_MAX = 255
+_wake_on: weakref.WeakKeyDictionary[Any, tuple[int, bool]] = weakref.WeakKeyDictionary()
+
+
+def wake_queues_on(app: Any) -> bool:
+    """Whether ``app``'s workers consume a wake queue beside each task queue (and wakes may
+    go there): ``lease_handoff_wake_queue`` is not off and the broker is Redis or AMQP.
+
+    Worked out once per app and settings generation (see ``forget_resolved_settings``).
+    """
+    from ._settings import Resolved
+
+    known = _wake_on.get(app)
+    if known is not None and known[0] == Resolved.generation:
+        return known[1]
+    on = app.conf.get("lease_handoff_wake_queue") is not False
+    if on:
+        try:
+            conn = app.connection_for_read()
+            try:
+                on = getattr(conn.transport, "driver_type", None) in _WAKE_TRANSPORTS
+            finally:
+                conn.release()
+        except Exception:  # noqa: BLE001 - an unknown transport: no wake queues
+            on = False
+    _wake_on[app] = (Resolved.generation, on)
+    return on
+
+
+def wake_queue(name: str) -> Any:
+    """The wake queue named ``name``: a direct exchange of its own, bound by its own name, so a
+    publish to it (Celery sends it through the default exchange, routing key = its name)
+    reaches it alone. Publisher and worker declare it alike (AMQP refuses a second declaration
+    that differs)."""
+    from kombu.entity import Exchange, Queue
+
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+
+
+def _has_wake_queue(queue: Any) -> str | None:
+    """The name of ``queue``'s wake queue, or None when it gets none: a wake queue itself, a
+    worker's own queue (``worker_direct``, auto-delete or exclusive: one worker's), bindings of
+    its own, an exchange other than a direct one, or a name too long for AMQP."""
+    name = getattr(queue, "name", None)
+    if not isinstance(name, str) or not name or name.endswith(WAKE_QUEUE_SUFFIX):
+        return None
+    if name.endswith(".dq2") or name.startswith("amq."):
+        return None
+    if getattr(queue, "auto_delete", False) or getattr(queue, "exclusive", False):
+        return None
+    if getattr(queue, "bindings", None) or getattr(queue, "alias", None):
+        return None
+    exchange = getattr(queue, "exchange", None)
+    if exchange is not None and exchange.name and exchange.type != "direct":
+        return None
+    wake = name + WAKE_QUEUE_SUFFIX
+    if len(wake.encode()) > _AMQP_NAME_MAX:
+        return None
+    return wake
+
+
+def wake_queue_for(app: Any, delivery: Any) -> str | None:
+    """The wake queue of the one task queue a message with this ``delivery_info`` came from,
+    among those this worker consumes, or None when that is not certain (none or several match,
+    or the queue gets no wake queue).
+
+    A message sent through the default exchange ('') came from the queue its routing key
+    names; through a direct exchange, from a consumed queue bound to it with that routing key.
+    (A prefork child knows the queues its worker consumed when the child started; a queue added
+    since matches nothing, so its wakes take their own route.)
+    """
+    if not delivery:
+        return None
+    exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
+    if not isinstance(routing_key, str) or not routing_key:
+        return None
+    consumed = app.amqp.queues.consume_from
+    if exchange == "":
+        if routing_key not in consumed:  # ('in': a missing name would create the queue)
+            return None
+        return _has_wake_queue(consumed[routing_key])
+    found = None
+    for queue in consumed.values():
+        bound = queue.exchange is not None and queue.exchange.name == exchange
+        if bound and queue.routing_key == routing_key:
+            if found is not None:
+                return None  # several: a publish on the route reaches each
+            found = queue
+    return None if found is None else _has_wake_queue(found)
+
+
+class LeaseWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: beside each task queue Q the worker consumes, consume Q's wake queue
+    (``Q.lease-wake``), where a woken waiter's message goes so it does not wait behind Q's
+    backlog. Added with Q (start, reconnect, ``add_consumer``), cancelled with Q
+    (``cancel_consumer``; a warm shutdown cancels the task consumer, wake queues and all), so
+    the workers that get Q's wakes are always the ones that consume Q."""
+
+    label = "celery_lease wake queues"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def include_if(self, c: Any) -> bool:
+        return wake_queues_on(c.app)
+
+    def start(self, c: Any) -> None:
+        consumer = c.task_consumer
+        if consumer is None:
+            return
+        for queue in list(consumer.queues):
+            _add_wake_queue(consumer, queue, consume=False)  # (the event loop consumes them)
+        if not getattr(c, "_lease_wake_wrapped", False):
+            c._lease_wake_wrapped = True
+            add, cancel = c.add_task_queue, c.cancel_task_queue
+
+            def add_task_queue(queue: str, *args: Any, **kwargs: Any) -> None:
+                add(queue, *args, **kwargs)
+                consumer = c.task_consumer
+                if consumer is not None:
+                    for known in list(consumer.queues):
+                        if known.name == queue:
+                            _add_wake_queue(consumer, known, consume=True)
+
+            def cancel_task_queue(queue: str) -> None:
+                name = c.app.amqp.queues.aliases.get(queue, queue)
+                name = getattr(name, "name", name)  # (an alias maps to its Queue)
+                cancel(queue)
+                consumer = c.task_consumer
+                if consumer is not None and isinstance(name, str):
+                    consumer.cancel_by_queue(name + WAKE_QUEUE_SUFFIX)
+
+            c.add_task_queue, c.cancel_task_queue = add_task_queue, cancel_task_queue
+
+
+def _add_wake_queue(consumer: Any, queue: Any, *, consume: bool) -> None:
+    wake = _has_wake_queue(queue)
+    if wake is None or consumer.consuming_from(wake):
+        return
+    if any(q.name == wake for q in consumer.queues):
+        return
+    consumer.add_queue(wake_queue(wake))
+    if consume:
+        consumer.consume()
+    log.debug("celery_lease: consuming wake queue %s beside %s", wake, queue.name)

@@ -10,7 +10,8 @@ Without the variable, :func:`hit` is a single global flag test: nothing else run
 
 Sites: ``after_acquire``, ``after_effect_before_ledger``, ``after_ledger_before_ack``,
 ``inside_renew``, ``inside_release``, ``inside_reconcile``, ``before_wake`` (the release
-handed the resource over and the head waiter's message is not sent yet).
+handed the resource over and the head waiter's message is not sent yet), ``after_wake`` (it
+is sent).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SITES = (
     "inside_release",
     "inside_reconcile",
     "before_wake",
+    "after_wake",
 )
 
 

@@ -92,6 +92,7 @@ class LeaseSettings:
     dedup: bool = True
     handoff: bool = True
     handoff_max_payload: int = DEFAULT_HANDOFF_MAX_PAYLOAD
+    handoff_wake_queue: bool = True
     retention: float = DEFAULT_RETENTION
 
     def __repr__(self) -> str:
@@ -199,6 +200,11 @@ class LeaseSettings:
                     "with the back-off instead of in the wait list; to keep every task out of "
                     "the wait list set lease_handoff=False"
                 )
+        if "handoff_wake_queue" in values and not isinstance(values["handoff_wake_queue"], bool):
+            raise LeaseConfigError(
+                f"lease_handoff_wake_queue={show_value(values['handoff_wake_queue'])} must be "
+                "True or False"
+            )
         if values.get("on_busy", "retry") not in ON_BUSY:
             raise LeaseConfigError(
                 f"lease_on_busy={show_value(values['on_busy'])} must be one of "
@@ -382,5 +388,8 @@ SETTINGS_DOC = {
     "(every store; needs an identity and on_busy='retry') (True)",
     "handoff_max_payload": "most bytes of a task's wake message (its message, sent again when "
     "woken) for it to join the wait list; a bigger one waits with the back-off (8192)",
+    "handoff_wake_queue": "workers consume a wake queue beside each task queue (Q.lease-wake) "
+    "and a woken waiter's message goes there, not behind Q's backlog (Redis and AMQP brokers) "
+    "(True)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
 }

@@ -42,7 +42,17 @@ from . import _clock, metrics
 from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
-from ._app import AdoptsAppOptions, get_store, install, overridden_store, register_task_type
+from ._app import (
+    WAKE_QUEUE_SUFFIX,
+    AdoptsAppOptions,
+    get_store,
+    install,
+    overridden_store,
+    register_task_type,
+    wake_queue,
+    wake_queue_for,
+    wake_queues_on,
+)
 from ._codec import decode, encode
 from ._errors import (
     BUSY_ADVICE,
@@ -108,6 +118,13 @@ LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
 #: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
 WOKEN_HEADER = "celery_lease_woken_at"
+#: The wake route. In a waiter's wake message: the wake queue of the task queue its copy came
+#: from (a string, written when that is certain). In a woken message sent to that wake queue:
+#: [wake queue, exchange, routing key] of the waiter's own route, which the woken copy takes
+#: as its delivery route (its retries, back-off copy and next wake go there). Honoured only on
+#: a message delivered from that wake queue, so a copy sent elsewhere (a retry with queue=)
+#: never follows a stale one.
+ROUTE_HEADER = "celery_lease_wake_route"
 #: When (wall clock, seconds since the epoch) this execution's claims began to fail.
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
@@ -177,6 +194,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_dedup: bool | None = None
     lease_handoff: bool | None = None
     lease_handoff_max_payload: int | None = None
+    lease_handoff_wake_queue: bool | None = None
     lease_retention: float | None = None
 
     _lease_settings_cache: tuple[int, LeaseSettings] | None = None  # (Resolved.generation, ..)
@@ -313,6 +331,8 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
+        if request.get(ROUTE_HEADER) is not None:  # woken through a wake queue (or stale)
+            _take_sent_route(request)
         compiled = self._compiled()
         settings = compiled.settings
         direct = bool(request.called_directly)
@@ -709,6 +729,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             payload, lease.handoff = lease.handoff, None
             failpoints.hit("before_wake")
             self._wake(payload, lease.resource, "release")
+            failpoints.hit("after_wake")
 
     # -- hand-off -------------------------------------------------------------------------------
     def _backstop_delay(self, waits: int, settings: LeaseSettings) -> float:
@@ -758,6 +779,10 @@ class LeaseTask(Task):  # type: ignore[misc]
                 options["queue"] = routing_key
             else:
                 options.update({k: v for k, v in delivery.items() if v is not None})
+            if self._compiled().wake_queues:
+                via = wake_queue_for(self.app, delivery)
+                if via is not None:  # the waker sends the wake there (see _wake)
+                    headers[ROUTE_HEADER] = via
         try:
             payload = _dump_json(
                 {"task": self.name, "args": args, "kwargs": kwargs, "options": options}
@@ -784,7 +809,12 @@ class LeaseTask(Task):  # type: ignore[misc]
         """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
         try:
             message = json.loads(payload)
-            message["options"].setdefault("headers", {})[WOKEN_HEADER] = _clock.wall()
+            options = message["options"]
+            headers = options.setdefault("headers", {})
+            headers[WOKEN_HEADER] = _clock.wall()
+            via = headers.pop(ROUTE_HEADER, None)
+            if isinstance(via, str) and self._compiled().wake_queues:
+                _to_wake_queue(options, headers, via)
             signature = self.app.signature(message)
             signature.apply_async()
         except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
@@ -1052,6 +1082,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         """
         request = self.request
         headers = dict(request.headers or {})
+        headers.pop(ROUTE_HEADER, None)  # (it goes on the route the copy was sent on)
         for header, value in updates.items():
             if value is None:
                 headers.pop(header, None)
@@ -1121,6 +1152,7 @@ class _TaskSetup:
         "settings",
         "store",
         "wait_ttls",
+        "wake_queues",
     )
 
     def __init__(self, task: LeaseTask) -> None:
@@ -1136,6 +1168,8 @@ class _TaskSetup:
         self.busy_cap: float | None = None  # (see LeaseTask._busy_cap)
         self.wait_ttls: dict[int, float] = {}  # waits -> a waiter's place lifetime (_wait_ttl)
         self.store: LeaseStore | None = None  # made at the first claim (current_store)
+        # Wakes may go to the wake queue of the waiter's task queue (the workers consume them).
+        self.wake_queues = self.settings.handoff_wake_queue and wake_queues_on(task.app)
         signature = inspect.signature(task.run)
         resource = _raw_attr(task, "lease_resource")
         self.resource = (
@@ -1215,6 +1249,42 @@ def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:
     }
 
 
+def _to_wake_queue(options: dict[str, Any], headers: dict[str, Any], via: str) -> None:
+    """Send a wake message to the wake queue ``via`` instead of its own route, which goes in
+    its ROUTE_HEADER (the woken copy takes it as its delivery route)."""
+    if not via.endswith(WAKE_QUEUE_SUFFIX):
+        return
+    queue, exchange, routing_key = (options.get(k) for k in ("queue", "exchange", "routing_key"))
+    if isinstance(queue, str) and queue and exchange is None and routing_key is None:
+        route = ["", queue]  # sent on its queue's name (the default exchange)
+    elif queue is None and isinstance(exchange, str) and isinstance(routing_key, str):
+        route = [exchange, routing_key]
+    else:
+        return  # a route we would not rebuild exactly: its own
+    for key in ("queue", "exchange", "routing_key"):
+        options.pop(key, None)
+    options["queue"] = wake_queue(via)
+    headers[ROUTE_HEADER] = [via, *route]
+
+
+def _take_sent_route(request: Any) -> None:
+    """A copy delivered from a wake queue, with the waiter's route in its ROUTE_HEADER: take
+    that route as its delivery route, so everything that reads it (``retry()``, the busy
+    re-queue, the next wake) sends where the waiter was sent. ``request.lease_wake_queue``
+    keeps the wake queue it came from. Any other copy ignores the header."""
+    route = _header(request, ROUTE_HEADER)
+    delivery = request.delivery_info
+    if not isinstance(route, list) or len(route) != 3 or not isinstance(delivery, dict):
+        return
+    via, exchange, routing_key = route
+    if not isinstance(via, str) or not via.endswith(WAKE_QUEUE_SUFFIX):
+        return
+    if delivery.get("routing_key") != via or delivery.get("exchange") not in ("", via):
+        return
+    request.delivery_info = {**delivery, "exchange": exchange, "routing_key": routing_key}
+    request.lease_wake_queue = via
+
+
 def _header(request: Any, name: str) -> Any:
     """A message header: top-level on a worker's request, in ``headers`` under apply()."""
     value = request.get(name)
@@ -1231,6 +1301,7 @@ _WAKE_DROPPED = frozenset(
         STORE_WAITS_HEADER,
         STORE_DOWN_HEADER,
         WOKEN_HEADER,
+        ROUTE_HEADER,
         "x-death",
         "x-first-death-exchange",
         "x-first-death-queue",

@@ -404,3 +404,96 @@ class TestHandoffMaxPayloadSetting:
 
     def test_the_default_lists_a_task_with_small_arguments(self):
         assert LeaseSettings().handoff_max_payload == 8192
+
+
+class TestWakeQueue:
+    """The wake queue a waiter's wake goes to (``Q.lease-wake``), and the route a woken copy
+    takes as its own; real workers: tests/integration/test_handoff_wake_queue.py."""
+
+    @pytest.mark.parametrize("value", ["yes", 1, 0, 0.5])
+    def test_a_bad_setting_names_itself(self, value):
+        with pytest.raises(LeaseConfigError) as caught:
+            LeaseSettings.resolve(None, {"handoff_wake_queue": value})
+        assert "lease_handoff_wake_queue=" in str(caught.value)
+        assert "True or False" in str(caught.value)
+
+    def test_on_by_default_for_redis_and_amqp_brokers_only(self):
+        from celery_lease._app import wake_queues_on
+
+        for broker, on in (
+            ("redis://127.0.0.1:1/0", True),
+            ("amqp://guest@127.0.0.1:1//", True),
+            ("memory://", False),
+        ):
+            app = Celery(broker=broker)
+            assert wake_queues_on(app) is on, broker
+        app = Celery(broker="redis://127.0.0.1:1/0")
+        app.conf.lease_handoff_wake_queue = False
+        assert wake_queues_on(app) is False
+
+    def _app(self, *queues):
+        app = Celery(broker="redis://127.0.0.1:1/0")
+        app.conf.task_queues = queues
+        return app
+
+    def test_the_one_consumed_queue_a_route_reaches(self):
+        from kombu import Exchange, Queue
+
+        from celery_lease._app import wake_queue_for
+
+        app = self._app(
+            Queue("a", Exchange("a"), routing_key="a"),
+            Queue("b", Exchange("shared"), routing_key="k"),
+            Queue("c", Exchange("shared"), routing_key="k"),
+            Queue("t", Exchange("topic", type="topic"), routing_key="t.#"),
+            Queue("d", Exchange("direct2"), routing_key="d"),
+        )
+        assert wake_queue_for(app, {"exchange": "", "routing_key": "a"}) == "a.lease-wake"
+        assert wake_queue_for(app, {"exchange": "a", "routing_key": "a"}) == "a.lease-wake"
+        assert wake_queue_for(app, {"exchange": "direct2", "routing_key": "d"}) == "d.lease-wake"
+        # Several queues bound alike (a publish reaches each), a topic exchange, a queue this
+        # worker does not consume, no route: not certain, so the waiter's own route.
+        assert wake_queue_for(app, {"exchange": "shared", "routing_key": "k"}) is None
+        assert wake_queue_for(app, {"exchange": "topic", "routing_key": "t.x"}) is None
+        assert wake_queue_for(app, {"exchange": "", "routing_key": "t"}) is None
+        assert wake_queue_for(app, {"exchange": "", "routing_key": "elsewhere"}) is None
+        assert "elsewhere" not in app.amqp.queues  # (looked up without creating it)
+        assert wake_queue_for(app, {"exchange": "", "routing_key": "a.lease-wake"}) is None
+        assert wake_queue_for(app, None) is None
+        app.amqp.queues.select(["b"])  # -Q b: "a" is not consumed
+        assert wake_queue_for(app, {"exchange": "", "routing_key": "a"}) is None
+
+    def test_a_woken_copy_takes_its_waiters_route_only_from_its_wake_queue(self):
+        from celery.app.task import Context
+
+        from celery_lease._task import ROUTE_HEADER, _take_sent_route, _to_wake_queue
+
+        options = {"queue": "q", "priority": 3}
+        headers: dict = {}
+        _to_wake_queue(options, headers, "q.lease-wake")
+        assert options["queue"].name == "q.lease-wake" and options["priority"] == 3
+        assert headers[ROUTE_HEADER] == ["q.lease-wake", "", "q"]
+        options = {"exchange": "x", "routing_key": "k"}
+        _to_wake_queue(options, headers, "k.lease-wake")
+        assert set(options) == {"queue"}
+        assert headers[ROUTE_HEADER] == ["k.lease-wake", "x", "k"]
+
+        def copy(route, exchange, routing_key):
+            request = Context(
+                {ROUTE_HEADER: route, "delivery_info": {"exchange": exchange, "routing_key": rk}}
+                if (rk := routing_key)
+                else {}
+            )
+            _take_sent_route(request)
+            return request.delivery_info, getattr(request, "lease_wake_queue", None)
+
+        route = ["q.lease-wake", "x", "k"]
+        assert copy(route, "", "q.lease-wake") == (
+            {"exchange": "x", "routing_key": "k"},
+            "q.lease-wake",
+        )
+        # Delivered on another route (a retry(queue=) copy that kept the header): ignored.
+        assert copy(route, "", "r") == ({"exchange": "", "routing_key": "r"}, None)
+        assert copy(route, "x", "q.lease-wake")[1] is None
+        assert copy(["q", "x", "k"], "", "q")[1] is None  # not a wake queue's name
+        assert copy("q.lease-wake", "", "q.lease-wake")[1] is None  # a waiter's mark

@@ -52,6 +52,8 @@ app.conf.update(
 )
 if env.get("CL_TRACK_STARTED"):
     app.conf.task_track_started = True
+if env.get("CL_WAKE_QUEUE"):  # unset: the library's default (on)
+    app.conf.lease_handoff_wake_queue = env["CL_WAKE_QUEUE"] == "1"
 if env.get("CL_HANDOFF"):  # unset: the library's default (on)
     app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
 if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
@@ -602,7 +604,9 @@ def touch_together(n: int, go: str, timeout: float = 60.0) -> int:
 
 
 def _fifo_body(task: Any, n: int, k: int, hold: float) -> int:
-    report("enter", res=n, k=k, task=task.request.id)
+    # via: the wake queue a woken copy came from (None: its own queue)
+    via = getattr(task.request, "lease_wake_queue", None)
+    report("enter", res=n, k=k, task=task.request.id, via=via, host=task.request.hostname)
     time.sleep(hold)
     report("exit", res=n, k=k, task=task.request.id)
     return k
@@ -666,3 +670,55 @@ def retrying_body(self: Any, n: str, calls: int) -> int:
 
 
 from tests.integration import eo_tasks as eo  # noqa: E402, F401
+
+if env.get("CL_REPORT_STARTS"):
+
+    @signals.task_prerun.connect
+    def _report_start(task_id: Any = None, task: Any = None, **_: Any) -> None:
+        """Every copy a worker starts, refused or not: where it came from (the raw delivery
+        route, before a woken copy takes its waiter's route) and which worker took it."""
+        request = task.request
+        delivery = request.delivery_info or {}
+        report(
+            "start",
+            task=task_id,
+            host=request.hostname,
+            ex=delivery.get("exchange"),
+            rk=delivery.get("routing_key"),
+            retries=request.retries,
+        )
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True)
+def route_probe(self: Any, n: int, k: int, hold: float, retry_to: Any = None) -> int:
+    """A waiter that, when it runs woken through a wake queue for the first time, retries itself
+    with ``retry_to`` as its retry options (``{"queue": ...}`` or ``{"exchange": ...,
+    "routing_key": ...}``); it reports its delivery route as it sees it."""
+    request = self.request
+    delivery = request.delivery_info or {}
+    via = getattr(request, "lease_wake_queue", None)
+    report(
+        "enter",
+        res=n,
+        k=k,
+        task=request.id,
+        via=via,
+        host=request.hostname,
+        ex=delivery.get("exchange"),
+        rk=delivery.get("routing_key"),
+        retries=request.retries,
+    )
+    if retry_to and via and not request.retries:
+        report("exit", res=n, k=k, task=request.id)
+        raise self.retry(countdown=0.3, **retry_to)
+    time.sleep(hold)
+    report("exit", res=n, k=k, task=request.id)
+    return k
+
+
+@app.task
+def plain_step(n: int, k: int, hold: float) -> int:
+    """A plain task (no lease): one message of a backlog, reported when it starts."""
+    report("enter", res=n, k=k, plain=True)
+    time.sleep(hold)
+    return k
