@@ -17,7 +17,11 @@ valgrind: the plain tracer's instructions per task divided by its own CPU time p
 fastest of many samples of 200 tasks, taken before and all the while the counting runs: other
 load only ever makes a sample slower, so the fastest one is the machine's own speed). The
 estimate covers the client's user-space work only: the server's work (Lua, SQL) and the
-kernel's (system calls) are not counted; see ``bench_overhead.py`` for those.
+kernel's (system calls) are not counted; see ``bench_overhead.py`` for those. It is a lower
+bound: the plain tracer is a hot loop, while a leased task hands the core to the server and
+back twice, and its Python runs on cold caches: on the 2-core development box the same
+instructions took 3-5x as long in that flow (store calls alone: 1,900-3,400 instructions per us
+of user CPU against the tracer's 8,000-10,000). Compare counts, not estimates, between versions.
 
     .venv/bin/python benchmarks/bench_instructions.py                 # starts its own servers
     .venv/bin/python benchmarks/bench_instructions.py --stores redis --tasks 200 --json /tmp/i.json
@@ -297,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     print(
         "\nover plain: minus plain Celery's tracer; beyond floor: also minus the floor (the same "
-        "two round trips\nwith the bare driver); ~us beyond: beyond floor at the calibrated speed "
-        "(client user-space only).\n"
+        "two round trips\nwith the bare driver); ~us beyond: beyond floor at the plain tracer's "
+        "speed (client user-space only),\na lower bound: in a task's flow, between round trips, "
+        "the same instructions run 3-5x slower (cold caches).\n"
         f"wall time {time.monotonic() - started:.0f} s"
     )
     if args.json:
