@@ -460,3 +460,22 @@ class TestRedisEvalshaHead:
             assert sent == [pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))]
         finally:
             client.close()
+
+    def test_only_heads_of_a_few_keys_are_kept(self, redis_server):
+        """A renewal batch's keys differ from call to call: a long key list is packed whole
+        each time, never kept (the kept heads stay small and few)."""
+        from celery_lease.stores.redis.connection import Connections, Script
+
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            connections = Connections(client)
+            script = Script(connections, self.ECHO)
+            script.load()
+            few = [f"k:{{a}}{i}" for i in range(9)]  # a claim's
+            many = [f"k:{{a}}{i}" for i in range(99)]  # a renewal of 33 leases
+            for keys in (few, many):
+                got_keys, got_args = script(keys=keys, args=["x", 1])
+                assert [k.decode() for k in got_keys] == keys and got_args == [b"x", b"1"]
+            assert list(connections._heads) == [(script.sha, *few)]
+        finally:
+            client.close()

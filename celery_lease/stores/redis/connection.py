@@ -62,8 +62,11 @@ DRIVER_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 # The client pool's limit for a client the store creates: far above what the free lists keep.
 _MAX_CONNECTIONS = 10_000
-# Most EVALSHA heads a Connections keeps packed (scripts x shards, and renewal batches).
+# Most EVALSHA heads a Connections keeps packed (scripts x shards, small renewal batches), and
+# the most keys a kept head has: a large renewal batch's keys differ from call to call and are
+# packed whole, never kept.
 _MAX_HEADS = 512
+_HEAD_KEYS = 12  # a claim has 9
 
 
 class Translate:
@@ -160,7 +163,7 @@ class Connections:
         rest of the call. The bytes sent are the same as packing the whole command.
         """
         pack = self.pack
-        if self.pool is None or pack is None:
+        if self.pool is None or pack is None or len(keys) > _HEAD_KEYS:
             return self.execute("EVALSHA", sha, len(keys), *keys, *args)
         cache_key = (sha, *keys)
         head = self._heads.get(cache_key)
@@ -168,7 +171,7 @@ class Connections:
             head_command: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys)
             packed = pack(head_command)
             head = (len(keys) + 3, packed[packed.index(b"\r\n") + 2 :])
-            if len(self._heads) < _MAX_HEADS:  # (a renewal batch's keys vary with its leases)
+            if len(self._heads) < _MAX_HEADS:
                 self._heads[cache_key] = head
         return self._call(tuple(args), head)
 
