@@ -72,7 +72,8 @@ class Recorder:
 
     The series' keys and Prometheus updates are bound into one function when first used and
     again after the metrics mode changes (``metrics._generation``), instead of being looked up
-    on every call: the per-call work is one frame, the lock and the updates.
+    on every call: the per-call work is one frame, the lock and the updates. The lock and
+    ``metrics.METRICS`` are not bound: they are read per call, so a replaced ``METRICS`` counts.
     """
 
     __slots__ = ("counter", "histogram", "record")
@@ -100,14 +101,17 @@ class Recorder:
             hist.sum_key,
         )
         count_add, hist_add, hist_name = count.add, hist.add, hist.name
-        lock, values, rebind = metrics._lock, metrics.METRICS, self._bind_and_record
+        rebind = self._bind_and_record
 
         def record(seconds: float) -> None:
             if metrics._generation != generation:
                 rebind(seconds)
                 return
             try:
-                with lock:
+                # metrics._lock and metrics.METRICS are read per call, as metrics.record reads
+                # them: code that replaces METRICS (a test resetting the counts) sees these too.
+                with metrics._lock:
+                    values = metrics.METRICS
                     values[name] += 1
                     if labelled is not None:
                         values[labelled] += 1

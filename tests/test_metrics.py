@@ -100,6 +100,39 @@ class TestSeries:
         claimed = 'celery_lease_acquire_seconds_count{result="claimed"}'
         assert scrape(claimed) >= 3
 
+    def test_claims_and_releases_count_into_a_replaced_counter(self, tmp_path, monkeypatch):
+        """Code that replaces metrics.METRICS (a test resetting the counts, then undoing it)
+        after a claim and a release were counted: later ones count into the current one, as
+        every other series does (the claim's and release's recorder bound the old one)."""
+        from collections import Counter
+
+        from celery_lease import metrics
+
+        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+
+        @lease_task(app=app, resource="inv:{n}")
+        def task(n):
+            return n
+
+        keys = (
+            "celery_lease_claims_total",
+            "celery_lease_releases_total",
+            "celery_lease_acquire_seconds_count",
+            "celery_lease_hold_seconds_count",
+        )
+        task.apply((1,)).get()  # the recorders bind (if no earlier test made them)
+        original = metrics.METRICS
+        monkeypatch.setattr(metrics, "METRICS", Counter())
+        task.apply((2,)).get()
+        assert [metrics.snapshot().get(k, 0) for k in keys] == [1, 1, 1, 1]
+        monkeypatch.undo()
+        assert metrics.METRICS is original
+        before = metrics.snapshot()
+        task.apply((3,)).get()
+        after = metrics.snapshot()
+        assert [after.get(k, 0) - before.get(k, 0) for k in keys] == [1, 1, 1, 1]
+
     def test_an_unknown_series_fails_where_it_is_declared(self):
         from celery_lease import metrics
 
