@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 THREAD_NAME = "celery-lease-renewer"
 IDLE_EXIT = 5.0
 JITTER = 0.15
+#: random.uniform as the random module defines it. While random.uniform is still this one (a
+#: test may pin it), a hold draws its jitter as _DRAWS.random() * JITTER: exactly what
+#: uniform(0, JITTER) returns (0 + (JITTER - 0) * self.random()), without its Python frame.
+_UNIFORM = random.uniform
+_DRAWS: random.Random = _UNIFORM.__self__  # type: ignore[attr-defined]
 MIN_RETRY = 0.02
 
 
@@ -80,8 +85,9 @@ class Hold:
         # Counted from when the claim was sent, as the lease time and later renewals are:
         # counted from the hold (after the claim's reply), a round trip near ttl/3 made the
         # first renewal's reply arrive after the self-fence deadline.
-        # (random() * JITTER: the value random.uniform(0, JITTER) gives, without its call)
-        self.next_due = lease.sent_monotonic + interval * (1 - random.random() * JITTER)
+        uniform = random.uniform
+        jitter = _DRAWS.random() * JITTER if uniform is _UNIFORM else uniform(0, JITTER)
+        self.next_due = lease.sent_monotonic + interval * (1 - jitter)
         self.on_lost = on_lost
         self.done = False
         #: The last renewal failed: retry at next_due itself, never earlier (see _due).

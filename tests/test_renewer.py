@@ -88,6 +88,24 @@ class TestRenewer:
         assert sum(t.name == "celery-lease-renewer" for t in threading.enumerate()) == others + 1
         assert not lost
 
+    def test_the_first_renewal_follows_a_pinned_random_uniform(self, store, monkeypatch):
+        """A test that pins random.uniform (the earliest renewal: the full jitter) gets it for
+        the first renewal too, as for every later one; a seeded random draws the same values
+        as uniform(0, JITTER) would."""
+        import random
+
+        lease = store.acquire("r", Owner.new(), 30)
+        monkeypatch.setattr(random, "uniform", lambda a, b: b)
+        _, on_lost = lost_recorder()
+        hold = renewer_module.Hold(lease, 10.0, 60, on_lost)
+        assert hold.next_due == lease.sent_monotonic + 10.0 * (1 - renewer_module.JITTER)
+        monkeypatch.undo()
+        random.seed(7)
+        due = [renewer_module.Hold(lease, 10.0, 60, on_lost).next_due for _ in range(3)]
+        random.seed(7)
+        jitters = [random.uniform(0, renewer_module.JITTER) for _ in range(3)]
+        assert due == [lease.sent_monotonic + 10.0 * (1 - j) for j in jitters]
+
     def test_store_errors_are_retried_until_the_self_fence_deadline(self, store, renewer):
         """A failing store is retried; at the deadline the lease is declared lost, not later."""
         lost, on_lost = lost_recorder()
