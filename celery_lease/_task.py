@@ -1263,7 +1263,9 @@ def _to_wake_queue(options: dict[str, Any], headers: dict[str, Any], via: str) -
         return  # a route we would not rebuild exactly: its own
     for key in ("queue", "exchange", "routing_key"):
         options.pop(key, None)
-    options["queue"] = wake_queue(via)
+    # Exchange and routing key set too: a route of task_routes or of the task's own options is
+    # merged into a send's options where they are missing (it would send the wake there).
+    options.update(queue=wake_queue(via), exchange="", routing_key=via, exchange_type="direct")
     headers[ROUTE_HEADER] = [via, *route]
 
 

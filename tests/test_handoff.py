@@ -8,10 +8,11 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 from celery import Celery
-from celery.exceptions import Retry
+from celery.exceptions import DuplicateTaskNameWarning, Retry
 
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner, lease_task, metrics
 from celery_lease._app import get_store
@@ -475,7 +476,8 @@ class TestWakeQueue:
         assert headers[ROUTE_HEADER] == ["q.lease-wake", "", "q"]
         options = {"exchange": "x", "routing_key": "k"}
         _to_wake_queue(options, headers, "k.lease-wake")
-        assert set(options) == {"queue"}
+        assert options["queue"].name == "k.lease-wake"
+        assert (options["exchange"], options["routing_key"]) == ("", "k.lease-wake")
         assert headers[ROUTE_HEADER] == ["k.lease-wake", "x", "k"]
 
         def copy(route, exchange, routing_key):
@@ -497,3 +499,47 @@ class TestWakeQueue:
         assert copy(route, "x", "q.lease-wake")[1] is None
         assert copy(["q", "x", "k"], "", "q")[1] is None  # not a wake queue's name
         assert copy("q.lease-wake", "", "q.lease-wake")[1] is None  # a waiter's mark
+
+    @pytest.mark.parametrize("where", ["task_routes", "task_options"])
+    def test_a_wake_goes_to_its_wake_queue_whatever_the_task_routes_say(self, where):
+        """A route with an exchange and routing key (task_routes, or the task's own options)
+        is merged into a send's options where they are missing: the wake must still be sent
+        to its wake queue (default exchange, the wake queue's name), not to that route,
+        where it would wait behind the queue's backlog."""
+        from celery.signals import before_task_publish
+        from kombu import Exchange, Queue
+
+        from celery_lease._task import ROUTE_HEADER, _to_wake_queue
+
+        app = Celery(unique("wake"), broker="memory://", set_as_current=False)
+        app.conf.task_queues = (Queue("qa", Exchange("ex"), routing_key="ka"),)
+        route = {"exchange": "ex", "exchange_type": "direct", "routing_key": "ka"}
+
+        def t() -> None:
+            pass
+
+        if where == "task_routes":
+            app.conf.task_routes = {"t": route}
+            app.task(name="t", shared=False)(t)
+        else:
+            app.task(name="t", shared=False, **route)(t)
+        sent = []
+
+        def seen(sender=None, exchange=None, routing_key=None, **_):
+            sent.append((exchange, routing_key))
+
+        before_task_publish.connect(seen, weak=False)
+        try:
+            options = {"exchange": "ex", "routing_key": "ka"}  # the waiter's delivery route
+            headers: dict = {}
+            _to_wake_queue(options, headers, "qa.lease-wake")
+            with warnings.catch_warnings():
+                # (finalizing the app takes in the shared tasks other tests defined, some
+                # under one name)
+                warnings.simplefilter("ignore", DuplicateTaskNameWarning)
+                app.finalize()
+            app.signature("t", options={**options, "headers": headers}).apply_async()
+        finally:
+            before_task_publish.disconnect(seen)
+        assert sent == [("", "qa.lease-wake")]
+        assert headers[ROUTE_HEADER] == ["qa.lease-wake", "ex", "ka"]
