@@ -524,7 +524,7 @@ class LeaseWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def include_if(self, c: Any) -> bool:
-        return wake_queues_on(c.app)
+        return wake_queues_on(c.app) and _handoff_anywhere(c.app)
 
     def start(self, c: Any) -> None:
         consumer = c.task_consumer
@@ -553,6 +553,15 @@ class LeaseWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
                     consumer.cancel_by_queue(name + WAKE_QUEUE_SUFFIX)
 
             c.add_task_queue, c.cancel_task_queue = add_task_queue, cancel_task_queue
+
+
+def _handoff_anywhere(app: Any) -> bool:
+    """Whether a task of ``app`` may wait in a wait list (and so be woken): ``lease_handoff``
+    is not off, or a task turns it on for itself. Otherwise no wake is ever sent to a wake
+    queue and the worker consumes none."""
+    if app.conf.get("lease_handoff") is not False:
+        return True
+    return any(getattr(task, "lease_handoff", None) is True for task in list(app.tasks.values()))
 
 
 def _add_wake_queue(consumer: Any, queue: Any, *, consume: bool) -> None:

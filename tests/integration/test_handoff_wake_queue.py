@@ -210,3 +210,14 @@ def test_a_wake_sent_by_a_worker_killed_right_after_is_not_stranded(
     assert waiter.get(timeout=60) == 1
     (woken,) = _entered(events, n, 1)
     assert woken["via"] == queue + WAKE and woken["host"] == node(b), woken
+
+
+@pytest.mark.parametrize("handoff", [False, True], ids=["handoff_off", "negative_control"])
+def test_no_wake_queues_without_hand_off(it_app, start_worker, store_env, queue, handoff):
+    """``lease_handoff=False`` (and no task turning it on): no waiter is ever woken, so the
+    worker consumes no wake queue. Negative control (hand-off on): it does."""
+    env = {**store_env("redis"), **ENV, "CL_HANDOFF": "1" if handoff else "0"}
+    worker = start_worker(env, queue=queue, pool="threads", concurrency=1)
+    consumed = queues_of(it_app, worker)
+    assert queue in consumed
+    assert (queue + WAKE in consumed) == handoff, consumed
