@@ -173,6 +173,7 @@ class Lease:
         identity_state: str | None = None,
         checkpoints: dict[str, Any] | None = None,
         identity_owner_label: str | None = None,
+        identity_fence: int | None = None,
     ) -> None:
         self.resource = resource
         self.owner = owner
@@ -195,6 +196,9 @@ class Lease:
         #: tells a copy of a failed execution from another message sharing the identity), when
         #: the claim found a record (None also when the store does not say).
         self.identity_owner_label = identity_owner_label
+        #: The fence of the claim that record names (None with ``identity_owner_label``): a
+        #: run newer than a waiting execution's start is a run of one of its copies.
+        self.identity_fence = identity_fence
         #: Progress recorded by earlier owners of this identity (step -> data), oldest first.
         self.checkpoints: dict[str, Any] = dict(checkpoints or {})
         # Monotonic time at which the last successful claim/renewal was *sent*: the lease was

@@ -116,6 +116,11 @@ LEASE_TASK_KEYWORDS = ("resource", "identity", "reconcile", "reconcile_effect", 
 WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
+#: The fence of the holder that refused a message's first claim (or of the waker, on the woken
+#: copy of that claim's listing): every copy of that waiting execution (its lineage) carries
+#: it, so a failed run of this task id newer than it is a sibling copy's run, and an older one
+#: ran before this message was sent (a task id re-sent after its failure runs).
+LINEAGE_HEADER = "celery_lease_since_fence"
 #: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
 WOKEN_HEADER = "celery_lease_woken_at"
 #: The wake route. In a waiter's wake message: the wake queue of the task queue its copy came
@@ -358,6 +363,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                 size = _bound_size(wait[0], request)
                 if size > settings.handoff_max_payload:
                     too_large, wait = size, None  # not listed: waits with the back-off
+        if wait is not None:
+            self._drop_if_finished(request, resource)
         claim_started = _clock.monotonic()
         try:
             if wait is None:
@@ -413,6 +420,16 @@ class LeaseTask(Task):  # type: ignore[misc]
             # A copy of an attempt the identity has moved past (a back-stop re-queued before
             # a woken copy ran this attempt and retried): a copy of the newer one runs it.
             return self._superseded(lease, settings)
+        elif (
+            lease.identity_state == "retry"
+            and _header(request, WOKEN_HEADER) is not None
+            and _copy_of_run(lease, request)
+        ):
+            # Another copy of this execution ran this attempt and ended without an outcome
+            # (SystemExit in a prefork child: Celery stored a WorkerLostError FAILURE, unless
+            # acks_late and reject_on_worker_lost redeliver it; a lost lease: RETRY). The
+            # result backend tells (back-stop copies read it before their claim).
+            self._drop_if_finished(request, resource, lease)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
             # The claim's reply came back after the self-fence deadline (the store was slow or
@@ -529,22 +546,65 @@ class LeaseTask(Task):  # type: ignore[misc]
             f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
             f"(task id {request.id})"
         )
-        if self.track_started and not (request.is_eager or _ignores_result(self, request)):
-            # Celery stored STARTED over that FAILURE before this copy claimed
-            # (task_track_started): without a failure stored again the task reads as running
-            # for ever. The first exception is gone; this one says what happened.
+        if not (request.is_eager or _ignores_result(self, request)):
+            # The run's FAILURE stays when it is there. It is not when Celery stored STARTED
+            # over it for this copy (task_track_started), or when the worker of the run died
+            # after its release and before Celery stored it (the message came back as a copy):
+            # without a failure stored now the task reads as running or waiting for ever. The
+            # first exception is gone; this one says what happened.
             try:
-                self.backend.store_result(
-                    request.id,
-                    LeaseError(f"{why}; this copy ended without running it"),
-                    states.FAILURE,
-                    request=request,
-                )
+                stored = self.backend.get_task_meta(request.id, cache=False).get("status")
+                if stored != states.FAILURE:
+                    self.backend.store_result(
+                        request.id,
+                        LeaseError(f"{why}; this copy ended without running it"),
+                        states.FAILURE,
+                        request=request,
+                    )
             except Exception:
-                log.exception(
-                    "task %s[%s]: storing the failure again failed", self.name, request.id
-                )
+                log.exception("task %s[%s]: storing the failure failed", self.name, request.id)
         raise Ignore(why)
+
+    def _drop_if_finished(self, request: Any, resource: str, lease: Lease | None = None) -> None:
+        """End this back-stop copy of a waiter (it counts its waits, no wake sent it) when the
+        result backend already holds a final state for its task id: another copy of it ran
+        (its woken copy) and that state is the task's. Checked before the claim, so
+        the identity's record, which another task id sharing the identity may have written
+        since, does not decide: the copy ends ``Ignore``d without running the body or storing
+        over that state. One backend read per back-stop copy; not on a woken copy (the
+        hand-off's path) unless ``lease`` is given: it claimed and found that another copy of
+        this execution ran this attempt and ended without an outcome (the lease is given back
+        with the record as found when the copy ends). Not with ``task_track_started`` (Celery
+        stored STARTED over it for this copy already) or when the task stores no result."""
+        if (
+            request.is_eager
+            or request.id is None
+            or self.track_started
+            or _ignores_result(self, request)
+            or not int(_header(request, WAITS_HEADER) or 0)
+            or (lease is None and _header(request, WOKEN_HEADER) is not None)
+        ):
+            return
+        try:
+            state = self.backend.get_task_meta(request.id, cache=False).get("status")
+        except Exception:  # noqa: BLE001 - no backend (DisabledBackend) or it failed: claim
+            return
+        if state not in states.READY_STATES:
+            return
+        events.count("celery_lease_duplicates_total")
+        self._log(
+            "duplicate",
+            logging.INFO,
+            resource,
+            None,
+            None,
+            state=state,
+            action="dropped a copy of a finished task",
+        )
+        if lease is not None:  # give it back with the identity's record as found
+            found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
+            self._release(lease, found, None)
+        raise Ignore(f"task {request.id} already ended {state}: a copy of it ends unrun")
 
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
@@ -728,7 +788,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if lease.handoff is not None:
             payload, lease.handoff = lease.handoff, None
             failpoints.hit("before_wake")
-            self._wake(payload, lease.resource, "release")
+            self._wake(payload, lease.resource, "release", lease.fence)
             failpoints.hit("after_wake")
 
     # -- hand-off -------------------------------------------------------------------------------
@@ -805,13 +865,17 @@ class LeaseTask(Task):  # type: ignore[misc]
             keep = cache[waits] = longest + settings.ttl + 10.0
         return keep
 
-    def _wake(self, payload: str, resource: str, by: str) -> None:
-        """Send a woken waiter's message now (a lost send leaves its back-stop copy)."""
+    def _wake(self, payload: str, resource: str, by: str, fence: int | None = None) -> None:
+        """Send a woken waiter's message now (a lost send leaves its back-stop copy);
+        ``fence``: the waker's (the releaser's, or the last holder's), which a message listed
+        at its first claim takes as its waiting execution's start (see LINEAGE_HEADER)."""
         try:
             message = json.loads(payload)
             options = message["options"]
             headers = options.setdefault("headers", {})
             headers[WOKEN_HEADER] = _clock.wall()
+            if fence is not None:
+                headers.setdefault(LINEAGE_HEADER, fence)
             via = headers.pop(ROUTE_HEADER, None)
             if isinstance(via, str) and self._compiled().wake_queues:
                 _to_wake_queue(options, headers, via)
@@ -856,7 +920,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._skip(busy)
         if busy.wake is not None:  # the resource is free for a head waiter nobody woke
             payload, busy.wake = busy.wake, None
-            self._wake(payload, busy.resource or "?", "claim")
+            self._wake(payload, busy.resource or "?", "claim", busy.fence)
         waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits and not duplicate:
             raise LeaseBusyError(
@@ -916,16 +980,23 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         self._lease_event("task-lease-busy", action="wait", wait=delay, **_busy_fields(busy))
         # The store answered: a later outage starts its own budget.
-        return self._requeue(
-            busy,
-            delay,
-            {
-                WAITS_HEADER: waits + 1,
-                STORE_WAITS_HEADER: None,
-                STORE_DOWN_HEADER: None,
-                WOKEN_HEADER: None,
-            },
-        )
+        updates = {
+            WAITS_HEADER: waits + 1,
+            STORE_WAITS_HEADER: None,
+            STORE_DOWN_HEADER: None,
+            WOKEN_HEADER: None,
+        }
+        if busy.fence is not None and _header(request, LINEAGE_HEADER) is None:
+            # This waiting execution's start. Refused by a run of this very identity (a
+            # redelivery or duplicate of running work): that run counts as after the start,
+            # so if it fails this message's copies end unrun.
+            updates[LINEAGE_HEADER] = busy.fence - 1 if duplicate else busy.fence
+        if waits and not self.track_started:
+            # A copy of a waiting execution refused again: its first refusal stored RETRY,
+            # or another copy of it has ended since and its final state must stay (backends
+            # keep only SUCCESS from being stored over).
+            return self._requeue(busy, delay, updates, store=False)
+        return self._requeue(busy, delay, updates)
 
     def _skip(self, busy: LeaseBusyError) -> None:
         """on_busy="skip": end FAILURE with a LeaseBusyError that says why, without running.
@@ -1075,10 +1146,13 @@ class LeaseTask(Task):  # type: ignore[misc]
             holder=error.holder_label,
         )
 
-    def _requeue(self, exc: LeaseError, delay: float, updates: dict[str, Any]) -> Any:
+    def _requeue(
+        self, exc: LeaseError, delay: float, updates: dict[str, Any], store: bool = True
+    ) -> Any:
         """Send this execution again after ``delay`` without touching ``request.retries``.
 
-        ``updates`` sets our budget headers on the new message (None drops one).
+        ``updates`` sets our budget headers on the new message (None drops one). Ends with
+        ``Retry`` (Celery stores RETRY), or with ``Ignore`` (nothing stored) when not ``store``.
         """
         request = self.request
         headers = dict(request.headers or {})
@@ -1092,6 +1166,8 @@ class LeaseTask(Task):  # type: ignore[misc]
             request, countdown=delay, retries=request.retries or 0, headers=headers
         )
         signature.apply_async()
+        if not store:
+            raise Ignore(f"{exc}: sent again in {delay:.2f}s")
         raise Retry(exc=exc, when=delay, sig=signature)
 
     def _log(
@@ -1436,6 +1512,12 @@ def _ignores_result(task: Any, request: Any) -> bool:
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
 
 
+def _copy_of_run(lease: Lease, request: Any) -> bool:
+    """Whether the run the identity's record names (its attempt) was a run of this
+    execution by another of its hand-off copies: see _copy_of_failed."""
+    return (request.retries or 0) == lease.identity_attempt and _copy_of_failed(lease, request)
+
+
 def _copy_of_failed(lease: Lease, request: Any) -> bool:
     """Whether this message is a copy of the execution whose failure the identity's record
     names (its body ran and raised): the same task id (the owner label the record names ends
@@ -1443,17 +1525,33 @@ def _copy_of_failed(lease: Lease, request: Any) -> bool:
     hand-off made (a woken or back-stop copy: it counts its waits). Another task id sharing
     the identity is a new submission and runs; so do a later attempt (``self.retry()`` sent
     before the failure) and a redelivery of the failed message itself (its worker died before
-    Celery stored the failure)."""
+    Celery stored the failure).
+
+    A hand-off copy carries the fence its waiting execution began at (LINEAGE_HEADER): the
+    failed run must be newer (``identity_fence``), else it ran before this message was sent
+    (the task id was sent again after its failure) and this one runs. Copies without it (older
+    workers') and stores that do not give the fence: the rule above alone."""
     task_id = request.id
     retries = request.retries or 0
     if task_id is None or retries > lease.identity_attempt:
         return False
     label = lease.identity_owner_label or lease.previous_owner_label
-    if label is None or not label.endswith(f":{task_id}"):
+    if label is None:
         return False
-    if not label[: -len(task_id) - 1].rpartition(":")[2].isdigit():  # host:pid:<task id>
+    parts = label.split(":", 2)  # host:pid:<task id> (a task id may hold colons, a host not)
+    if len(parts) != 3 or not parts[1].isdigit() or parts[2] != task_id:
         return False
-    return retries < lease.identity_attempt or int(_header(request, WAITS_HEADER) or 0) > 0
+    if retries < lease.identity_attempt:
+        return True
+    if not int(_header(request, WAITS_HEADER) or 0):
+        return False
+    since = _header(request, LINEAGE_HEADER)
+    if since is None or lease.identity_fence is None:
+        return True
+    try:
+        return lease.identity_fence > int(since)
+    except (TypeError, ValueError):  # not ours
+        return True
 
 
 def lease_task(

@@ -370,8 +370,9 @@ class TestBusyDuplicates:
     @pytest.mark.parametrize("on_busy", ["retry", "skip", "fail"])
     @pytest.mark.parametrize("waits", [0, 3])
     def test_a_duplicate_is_rearmed_not_skipped_or_failed(self, app, on_busy, waits):
-        """Same identity live under another owner: Retry, also once busy_max_waits is spent."""
-        from celery.exceptions import Retry
+        """Same identity live under another owner: Retry, also once busy_max_waits is spent
+        (a copy that already waited is sent again without storing RETRY: Ignore)."""
+        from celery.exceptions import Ignore, Retry
 
         @lease_task(app=app, resource="dup:{n}", on_busy=on_busy, busy_max_waits=3)
         def task(n):
@@ -379,9 +380,13 @@ class TestBusyDuplicates:
 
         task_id = unique("task")
         held = get_store(app).acquire("dup:1", Owner.new("original"), 30, identity=task_id)
-        with pytest.raises(Retry) as caught:
-            self._deliver(task, task_id, waits)
-        assert isinstance(caught.value.exc, LeaseBusyError) and caught.value.exc.duplicate
+        if waits:
+            with pytest.raises(Ignore, match="sent again in"):
+                self._deliver(task, task_id, waits)
+        else:
+            with pytest.raises(Retry) as caught:
+                self._deliver(task, task_id, waits)
+            assert isinstance(caught.value.exc, LeaseBusyError) and caught.value.exc.duplicate
         get_store(app).release(held)
 
     @pytest.mark.parametrize(
@@ -406,7 +411,7 @@ class TestSupersededAttempt:
     """A back-stop copy of an attempt a woken copy already ran and retried ends unrun."""
 
     @staticmethod
-    def _deliver(task, task_id, retries, waits=1):
+    def _deliver(task, task_id, retries, waits=1, **headers):
         """One copy of the execution as a worker runs it: attempt ``retries``, waited once."""
         task.push_request(
             id=task_id,
@@ -416,7 +421,7 @@ class TestSupersededAttempt:
             is_eager=False,
             called_directly=False,
             delivery_info={"exchange": "", "routing_key": "celery"},
-            headers={"celery_lease_waits": waits},
+            headers={"celery_lease_waits": waits, **headers},
         )
         try:
             return task(1)
@@ -486,7 +491,7 @@ class TestSupersededAttempt:
         with pytest.raises(Retry):  # the first send runs attempt 0 and retries
             self._deliver(task, first, retries=0)
         with pytest.raises(Retry) as caught:  # the second send: the job is at attempt 1
-            self._deliver(task, second, retries=0)
+            self._deliver(task, second, retries=0, waits=0)
         assert caught.value.exc.duplicate
         assert self._deliver(task, first, retries=1) == "done"
         assert self._deliver(task, second, retries=0, waits=2) == "done"  # the recorded one
@@ -524,11 +529,11 @@ class TestFailedCopy:
 
         return task
 
-    def _ends(self, task, task_id, retries=0, waits=1):
+    def _ends(self, task, task_id, retries=0, waits=1, **headers):
         from celery.exceptions import Ignore
 
         try:
-            return self._deliver(task, task_id, retries=retries, waits=waits)
+            return self._deliver(task, task_id, retries=retries, waits=waits, **headers)
         except Ignore:
             return "dropped"
         except ValueError:
@@ -546,24 +551,89 @@ class TestFailedCopy:
         info = get_store(store_app).identity_get("fc:1", task_id)
         assert (info.state, info.attempt) == ("failed", 0)  # the record as it was
 
-    @pytest.mark.parametrize("track_started", [False, True])
-    def test_a_dropped_copy_stores_a_failure_again_only_over_its_started(
-        self, store_app, track_started
-    ):
-        """Nothing is stored for a dropped copy (the run's FAILURE stays), unless Celery stored
-        STARTED over it for this copy (task_track_started): then a FAILURE naming the earlier
-        failure is stored, else the task would read as running for ever."""
+    @pytest.mark.parametrize("stored", ["failure", "nothing"])
+    def test_a_dropped_copy_stores_a_failure_unless_one_is_there(self, store_app, stored):
+        """The run's FAILURE stays when it is stored; when it is not (Celery stored STARTED
+        over it for this copy with task_track_started, or the run's worker died after its
+        release and before Celery stored it: here, the run is called directly and nothing
+        stores it) a FAILURE naming the earlier failure is stored, else the task would read as
+        running or waiting for ever. Failed before (``nothing``): PENDING."""
         ran: list[tuple[str, int]] = []
-        task = self._task(store_app, ran, track_started=track_started)
+        task = self._task(store_app, ran)
         task_id = unique("task")
-        assert self._ends(task, task_id) == "failed"  # (called here: nothing stored for it)
+        assert self._ends(task, task_id, waits=0) == "failed"
+        if stored == "failure":
+            store_app.backend.mark_as_failure(task_id, ValueError("run 1"))
         assert self._ends(task, task_id) == "dropped"
-        meta = store_app.backend.get_task_meta(task_id)
-        if not track_started:
-            assert meta["status"] == "PENDING"
-            return
+        meta = store_app.backend.get_task_meta(task_id, cache=False)
         assert meta["status"] == "FAILURE"
+        if stored == "failure":
+            assert str(meta["result"]) == "run 1"
+            return
         assert "already ran and failed" in str(meta["result"])
+
+    @pytest.mark.parametrize("check", ["on", "off"])
+    def test_a_task_id_sent_again_after_its_failure_runs(self, store_app, check):
+        """A task id that ran and failed is sent again (a fresh message) while the resource is
+        busy: its copies carry the fence of the holder that refused it (the waiting
+        execution's start), older than the failed run's: they run. A copy of the same wait
+        whose sibling failed after that start is dropped. Negative control (``off``: no
+        start carried, the rule for old workers' copies): the re-sent copy is dropped.
+        Failed before: dropped (the body never ran again)."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran)
+        task_id = unique("task")
+        assert self._ends(task, task_id, waits=0) == "failed"  # the first send
+        store = get_store(store_app)
+        holder = store.acquire("fc:1", Owner.new("other"), 30, identity="other-job")
+        store.release(holder)
+        since = {"celery_lease_since_fence": holder.fence} if check == "on" else {}
+        if check == "off":
+            assert self._ends(task, task_id, **since) == "dropped"
+            assert len(ran) == 1
+            return
+        assert self._ends(task, task_id, **since) == "failed"  # the re-sent message's copy
+        assert self._ends(task, task_id, waits=2, **since) == "dropped"  # its sibling
+        assert ran == [(task_id, 0), (task_id, 0)]
+
+    @pytest.mark.parametrize("task_ids", [("2024:{}", "{}"), ("a:{}:c", "{}:c")])
+    def test_a_task_id_that_is_the_tail_of_the_failed_ones_runs(self, store_app, task_ids):
+        """The record's owner label is host:pid:<task id>, read from the left: a task id that
+        is the tail of the failed one's after a colon is another task. Failed before
+        (2024:42 then 42): dropped."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran, identity="fc-job-{n}")
+        base = unique("id")
+        failed, other = (task_id.format(base) for task_id in task_ids)
+        assert self._ends(task, failed, waits=0) == "failed"
+        assert self._ends(task, other) == "failed"
+        assert self._ends(task, other, waits=2) == "dropped"  # its own copies still are
+        assert ran == [(failed, 0), (other, 0)]
+
+    @pytest.mark.parametrize("stored", ["FAILURE", "RETRY"])
+    def test_a_woken_copy_after_its_sibling_exited_follows_the_backend(self, store_app, stored):
+        """A copy's body ends with SystemExit (the record says ``retry``). Celery stored a
+        WorkerLostError FAILURE (acks early): the woken copy ends unrun. Nothing final stored
+        (acks_late and reject_on_worker_lost redeliver it): it runs."""
+        ran: list[tuple[str, int]] = []
+        task = self._task(store_app, ran, fail=SystemExit)
+        task_id = unique("task")
+        with pytest.raises(SystemExit):
+            self._deliver(task, task_id, retries=0, waits=1)
+        if stored == "FAILURE":
+            store_app.backend.mark_as_failure(task_id, RuntimeError("worker lost"))
+        else:
+            store_app.backend.mark_as_retry(task_id, RuntimeError("busy"))
+        woken = {"celery_lease_woken_at": 1.0}
+        if stored == "FAILURE":
+            assert self._ends(task, task_id, **woken) == "dropped"
+            assert len(ran) == 1
+            info = get_store(store_app).identity_get("fc:1", task_id)
+            assert info.state == "retry"  # the record as it was
+            return
+        with pytest.raises(SystemExit):
+            self._deliver(task, task_id, retries=0, waits=1, **woken)
+        assert len(ran) == 2
 
     def test_a_copy_of_an_earlier_attempt_of_a_failed_one_is_dropped(self, store_app):
         """Attempt 2 fails (``failed:2``): copies of attempts 0..2 end unrun, a later attempt
@@ -573,7 +643,8 @@ class TestFailedCopy:
         task_id = unique("task")
         assert self._ends(task, task_id, retries=2) == "failed"
         assert [self._ends(task, task_id, retries=r) for r in (0, 1, 2)] == ["dropped"] * 3
-        assert self._ends(task, task_id, retries=3) == "failed"
+        # (its first delivery: a back-stop copy of it would find the FAILURE stored)
+        assert self._ends(task, task_id, retries=3, waits=0) == "failed"
         assert ran == [(task_id, 2), (task_id, 3)]
 
     @pytest.mark.parametrize("retries", [0, 2])

@@ -51,7 +51,8 @@ class _Record:
     expires_us: int
     #: What the claim recovered (previous label, previous fence, identity state), kept so that
     #: the same claim retried returns it again.
-    recovery: tuple[str | None, int | None, str | None] | None = None
+    #: (previous label, previous fence, identity state, identity label, identity fence)
+    recovery: tuple[str | None, int | None, str | None, str | None, int | None] | None = None
 
     def info(self, resource: str, now_us: int) -> LeaseInfo:
         return lease_info(
@@ -208,9 +209,9 @@ class MemoryLeaseStore(BaseLeaseStore):
                     )
                 # The same claim retried: the same lease and what the first attempt recovered.
                 record = current
-                label, fence, state = record.recovery or (None, None, None)
+                before, fence, state, label, ident_fence = record.recovery or (None,) * 5
                 previous: tuple[str | None, int | None] | None = (
-                    None if fence is None else (label, fence)
+                    None if fence is None else (before, fence)
                 )
                 checkpoints = None
                 if identity is not None and state is not None:
@@ -253,15 +254,15 @@ class MemoryLeaseStore(BaseLeaseStore):
                 self._leases[resource] = record
                 previous = None if current is None else (current.label, current.fence)
                 checkpoints = None
-                state = label = None
+                state = label = ident_fence = None
                 if identity is not None and ident is not None:
                     before_label, before_fence = previous or (None, None)
                     previous = previous_owner(before_label, before_fence, ident[2], ident[1])
-                    state, label = ident[0], ident[2]
+                    state, label, ident_fence = ident[0], ident[2], ident[1]
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
                 if previous is not None or state is not None:
-                    record.recovery = (*(previous or (None, None)), state)
+                    record.recovery = (*(previous or (None, None)), state, label, ident_fence)
             if identity is not None:
                 self._ids[(resource, identity)] = [
                     "running",
@@ -287,6 +288,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             identity_state=state,
             checkpoints=checkpoints,
             identity_owner_label=label if state is not None else None,
+            identity_fence=ident_fence if state is not None else None,
         )
 
     def _index(self, expires_us: int, table: int, key: Any) -> None:

@@ -575,6 +575,29 @@ if env.get("CL_FAILED_COPY") == "run":
     _task_module._copy_of_failed = lambda lease, request: False  # type: ignore[assignment]
 
 
+if env.get("CL_REFUSED_COPY") == "retry":
+    # Negative control of test_handoff_failed_copies.py: a hand-off copy refused again ends
+    # with Retry (Celery stores RETRY), as a message's first refusal does.
+    from celery_lease import LeaseTask
+
+    _requeue = LeaseTask._requeue
+
+    def _requeue_storing(
+        self: Any, exc: Any, delay: float, updates: Any, store: bool = True
+    ) -> Any:
+        return _requeue(self, exc, delay, updates)
+
+    LeaseTask._requeue = _requeue_storing  # type: ignore[method-assign]
+
+
+if env.get("CL_FINISHED_READ") == "off":
+    # Negative control of test_handoff_failed_copies.py: no copy reads its task's state in
+    # the result backend before running.
+    from celery_lease import LeaseTask
+
+    LeaseTask._drop_if_finished = lambda self, request, resource, lease=None: None  # type: ignore[method-assign]
+
+
 if env.get("CL_BACKSTOP") == "off":
     # Negative control of test_handoff_outcomes.py (there is no setting for it): a listed
     # waiter's re-queued copy comes 10 minutes later, so only a wake would run it in time.
@@ -644,10 +667,39 @@ def fifo_fail(self: Any, n: int, k: int, hold: float) -> int:
     raise ValueError(f"body run {runs}")
 
 
+@lease_task(app=app, resource="fifo-{n}", identity="job-{n}-{key}", bind=True)
+def shared_maybe(self: Any, n: str, key: str, tag: str, hold: float, fail: bool) -> str:
+    """An identity shared by every task id with the same (n, key): holds fifo-<n> ``hold`` s,
+    then fails (ValueError naming how many times the body of ``tag`` ran) or returns."""
+    runs = coord().incr(f"{env['CL_EVENTS']}:runs:{n}:{tag}")
+    woken = self.request.get(WOKEN) or (self.request.headers or {}).get(WOKEN)
+    report("enter", res=n, tag=tag, task=self.request.id, run=runs, woken=woken is not None)
+    time.sleep(hold)
+    if fail:
+        raise ValueError(f"{tag} body run {runs}")
+    return f"{tag} ok"
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True, acks_late=False, reject_on_worker_lost=False)
+def exit_once(self: Any, n: str, tag: str) -> str:
+    """Celery's defaults (acks early, no reject on worker lost): run 1 ends with SystemExit."""
+    runs = coord().incr(f"{env['CL_EVENTS']}:runs:{n}:{tag}")
+    report("enter", res=n, tag=tag, task=self.request.id, run=runs)
+    if runs == 1:
+        raise SystemExit(3)
+    return f"run {runs}"
+
+
+@app.task
+def note_callback(*args: Any, label: str) -> None:
+    """A link or link_error callback: reports that it ran."""
+    report("callback", label=label)
+
+
 @signals.task_postrun.connect
 def _on_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
     """How each copy of fifo_fail ended (RETRY: re-queued; IGNORED: dropped unrun)."""
-    if getattr(sender, "name", "").endswith(".fifo_fail"):
+    if getattr(sender, "name", "").endswith((".fifo_fail", ".shared_maybe", ".exit_once")):
         report("postrun", task=task_id, state=state)
 
 

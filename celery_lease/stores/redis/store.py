@@ -309,6 +309,7 @@ class RedisLeaseStore(BaseLeaseStore):
             identity_state=None if i_state is None else _text(i_state),
             checkpoints=checkpoints,
             identity_owner_label=None if i_state is None or i_label is None else _text(i_label),
+            identity_fence=None if i_state is None or not i_fence else int(i_fence),
         )
 
     def _renew_call(

@@ -340,6 +340,7 @@ class SQLLeaseStore(BaseLeaseStore):
                 identity_state=i_state,
                 checkpoints=decode(ckpt) if ckpt and prev_fence is not None else None,
                 identity_owner_label=i_label if i_state is not None else None,
+                identity_fence=int(i_fence) if i_state is not None and i_fence else None,
             )
         raise LeaseBusyError.held(resource, None, None, None)
 
