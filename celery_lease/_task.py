@@ -1167,7 +1167,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         signature.apply_async()
         if not store:
-            raise Ignore(f"{exc}: sent again in {delay:.2f}s")
+            raise Ignore(f"{exc}: sent again in {delay:.2f}s") from exc
         raise Retry(exc=exc, when=delay, sig=signature)
 
     def _log(
