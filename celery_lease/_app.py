@@ -422,6 +422,7 @@ WAKE_QUEUE_SUFFIX = ".lease-wake"
 #: name up to 255 bytes on AMQP (but ``amq.*``), any key on Redis; a publish to the default
 #: exchange ('') with the queue's name as routing key reaches that queue alone on both.
 _WAKE_TRANSPORTS = frozenset({"redis", "amqp"})
+_WAKE_QUEUE_ORDERS = frozenset({None, "round_robin", "priority"})
 _AMQP_NAME_MAX = 255
 _wake_on: weakref.WeakKeyDictionary[Any, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
@@ -438,6 +439,13 @@ def wake_queues_on(app: Any) -> bool:
     if known is not None and known[0] == Resolved.generation:
         return known[1]
     on = app.conf.get("lease_handoff_wake_queue") is not False
+    if on:
+        # Redis serves the consumed queues in an order: round-robin (rotating the one just
+        # served to the end) or "priority" (as consumed: each wake queue comes right before its
+        # task queue, see _wakes_first); "sorted" (by name) puts Q.lease-wake after Q, behind
+        # its backlog, and a custom order is unknown: no wake queues.
+        options = app.conf.get("broker_transport_options") or {}
+        on = options.get("queue_order_strategy") in _WAKE_QUEUE_ORDERS
     if on:
         try:
             conn = app.connection_for_read()
@@ -532,6 +540,7 @@ class LeaseWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         for queue in list(consumer.queues):
             _add_wake_queue(consumer, queue, consume=False)  # (the event loop consumes them)
+        _wakes_first(consumer)
         if not getattr(c, "_lease_wake_wrapped", False):
             c._lease_wake_wrapped = True
             add, cancel = c.add_task_queue, c.cancel_task_queue
@@ -555,6 +564,38 @@ class LeaseWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
             c.add_task_queue, c.cancel_task_queue = add_task_queue, cancel_task_queue
 
 
+def _wakes_first(consumer: Any) -> None:
+    """Put each wake queue right before its task queue in ``consumer``'s queues, the order
+    it consumes them in when the event loop starts: Redis's "priority" order serves them so
+    (a wake of Q before Q's backlog, Q's before the queues after Q)."""
+    queues = getattr(consumer, "_queues", None)
+    if not isinstance(queues, dict):
+        return
+    order: dict[str, Any] = {}
+    for name, queue in queues.items():
+        if name.endswith(WAKE_QUEUE_SUFFIX) and name[: -len(WAKE_QUEUE_SUFFIX)] in queues:
+            continue  # (placed before its task queue)
+        wake = name + WAKE_QUEUE_SUFFIX
+        if wake in queues:
+            order[wake] = queues[wake]
+        order[name] = queue
+    if list(order) != list(queues):
+        queues.clear()
+        queues.update(order)
+
+
+def _wake_before_its_queue(channel: Any, wake: str, name: str) -> None:
+    """A wake queue consumed after its task queue (``add_consumer``): move it right before
+    that queue in a Redis channel's order of the queues it serves (see _wakes_first)."""
+    active = getattr(channel, "_active_queues", None)
+    update = getattr(channel, "_update_queue_cycle", None)
+    if not isinstance(active, list) or update is None or wake not in active or name not in active:
+        return
+    active.remove(wake)
+    active.insert(active.index(name), wake)
+    update()
+
+
 def _handoff_anywhere(app: Any) -> bool:
     """Whether a task of ``app`` may wait in a wait list (and so be woken): ``lease_handoff``
     is not off, or a task turns it on for itself. Otherwise no wake is ever sent to a wake
@@ -573,4 +614,5 @@ def _add_wake_queue(consumer: Any, queue: Any, *, consume: bool) -> None:
     consumer.add_queue(wake_queue(wake))
     if consume:
         consumer.consume()
+        _wake_before_its_queue(consumer.channel, wake, queue.name)
     log.debug("celery_lease: consuming wake queue %s beside %s", wake, queue.name)

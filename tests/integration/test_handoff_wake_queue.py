@@ -221,3 +221,43 @@ def test_no_wake_queues_without_hand_off(it_app, start_worker, store_env, queue,
     consumed = queues_of(it_app, worker)
     assert queue in consumed
     assert (queue + WAKE in consumed) == handoff, consumed
+
+
+@pytest.mark.parametrize(
+    "order", ["priority", "priority_added", "sorted", "round_robin"], ids=lambda o: o
+)
+def test_a_wake_comes_before_its_queues_under_the_redis_queue_order(
+    it_app, start_worker, store_env, events, order
+):
+    """Redis ``queue_order_strategy``: a worker consumes Q1 then Q2, a waiter on Q1 is woken
+    while Q2 has a backlog. "priority" serves the queues in the order consumed: each wake
+    queue comes right before its task queue, so the wake runs before Q2's backlog ends (it
+    was served after all of them, behind Q2's backlog). priority_added: the worker consumes
+    Q2, then Q1 by ``add_consumer`` (after Q2, so the backlog is put on Q1 itself): Q1's wake
+    queue is moved right before Q1. "sorted" would serve Q1.lease-wake after Q1 (by name): no
+    wake queues, the wake takes the waiter's route (Q1, ahead of Q2 anyway)."""
+    strategy = order.removesuffix("_added")
+    env = {**store_env("redis"), **ENV, "CL_TTL": "5.0", "CL_QUEUE_ORDER": strategy}
+    q1, q2 = unique("q1"), unique("q2")
+    if order == "priority_added":
+        worker = start_worker(env, queue=q2, pool="threads", concurrency=2)
+        it_app.app.control.add_consumer(q1, destination=[node(worker)], reply=True, timeout=5)
+    else:
+        worker = start_worker(env, queue=f"{q1},{q2}", pool="threads", concurrency=2)
+    wait_for(lambda: q1 in queues_of(it_app, worker), 30, "consuming q1")
+    consumed = queues_of(it_app, worker)
+    assert (q1 + WAKE in consumed) == (strategy != "sorted"), consumed
+    n = unique("o")
+    it_app.fifo_hold.apply_async((n, 0, 1.0), queue=q1)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_hold.apply_async((n, 1, 0.05), queue=q1)
+    events.wait(ev="retry", task=waiter.id)
+    behind = q1 if order == "priority_added" else q2
+    for k in range(BACKLOG):
+        it_app.plain_step.apply_async((n, 100 + k, 0.05), queue=behind)
+    assert waiter.get(timeout=60) == 1
+    wait_for(lambda: len(events.where(ev="enter", res=n)) >= BACKLOG + 2, 60, "the backlog")
+    entered = [e for e in events.all() if e.get("res") == n and e["ev"] == "enter"]
+    (woken,) = [e for e in entered if e["k"] == 1]
+    assert woken["via"] == (None if strategy == "sorted" else q1 + WAKE), woken
+    assert entered[entered.index(woken) + 1 :], "the woken waiter ran after the whole backlog"

@@ -77,6 +77,12 @@ if env.get("CL_VISIBILITY"):
         "unacked_restore_throttle": 1,
     }
 
+if env.get("CL_QUEUE_ORDER"):  # the Redis transport's order of serving the consumed queues
+    app.conf.broker_transport_options = {
+        **(app.conf.broker_transport_options or {}),
+        "queue_order_strategy": env["CL_QUEUE_ORDER"],
+    }
+
 if env.get("CL_CONNECTIONS") == "per-thread":
     # The connection tests' negative control: each thread (greenlet, under gevent) keeps one
     # store connection for its lifetime, as the stores did before their free lists.
