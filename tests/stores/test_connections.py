@@ -13,6 +13,7 @@ Each store-level test has a negative control that switches the protection off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -295,6 +296,52 @@ class TestStores:
                 ids.append(conn.conn.dbapi_connection.info.backend_pid)
             free.put(conn)
         return ids
+
+
+class TestSQLTranslateWrapper:
+    """Connections.translate is where an SQL store's driver errors are translated; a wrapper or
+    override of it (tracing every store error) wraps every store call, claims and releases
+    included, each attempt with its first_attempt flag."""
+
+    @pytest.fixture(params=("sqlite", "postgres"))
+    def traced(self, request, tmp_path, monkeypatch):
+        from celery_lease.stores.sql.connection import Connections
+
+        calls: list[tuple[str, bool]] = []
+        original = Connections.translate
+
+        @contextlib.contextmanager
+        def translate(self, what, first_attempt=True):
+            calls.append((what, first_attempt))
+            with original(self, what, first_attempt):
+                yield
+
+        monkeypatch.setattr(Connections, "translate", translate)
+        store = make_store(request.param, request, tmp_path)
+        try:
+            yield store, calls
+        finally:
+            store.close()
+
+    def test_claims_and_releases_go_through_it(self, traced, names):
+        store, calls = traced
+        store.get(names + "warm")
+        calls.clear()
+        store.release(store.acquire(names + "r", Owner.new("t"), 30))
+        assert len(calls) == 2 and all(first for _, first in calls), calls
+
+    def test_a_retry_after_a_disconnect_goes_through_it_again(self, traced, request, names):
+        store, calls = traced
+        if store._connections.dialect != "postgresql":
+            pytest.skip("a server-side disconnect needs PostgreSQL")
+        server = Server(store, request)
+        try:
+            server.disconnect(TestStores._idle_connections(store, 3))
+            calls.clear()
+            assert store.get(names + "x") is None
+        finally:
+            server.close()
+        assert [first for _, first in calls] == [True, False]
 
 
 class TestFork:

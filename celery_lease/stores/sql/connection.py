@@ -131,6 +131,14 @@ class Connections:
         """
         if free is None:
             free = self.free
+        if getattr(self.translate, "__func__", None) is not _TRANSLATE:
+            # translate is wrapped or overridden (tracing every store error): go through it.
+            for attempt in (1, 2):
+                with shielded(), self.translate(what, attempt == 1):
+                    result = self._attempt(work, free, attempt)
+                if result is not _RETRY:
+                    return result
+            raise AssertionError("unreachable")  # pragma: no cover
         for attempt in (1, 2):
             # What ``with shielded(), self.translate(what, attempt == 1):`` does, as plain
             # calls: a with statement calls a Python __enter__/__exit__ through a fresh
@@ -138,46 +146,53 @@ class Connections:
             shield = shielded()
             shield.__enter__()
             try:
-                if self.serial is not None:
-                    self.serial.acquire()
-                try:
-                    held = free.get()
-                    try:
-                        result = work(held.cursor)
-                    except BaseException as exc:
-                        if not isinstance(exc, self.dbapi_error):
-                            # Interrupted mid-call (a signal, a soft time limit): the
-                            # connection may be mid-command, so it never serves again.
-                            held.invalidate(exc)
-                            free.discard(held)
-                            raise
-                        disconnected = self.engine.dialect.is_disconnect(
-                            exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
-                            held.conn.dbapi_connection,
-                            None,
-                        )
-                        if self.dialect == "sqlite":
-                            rollback_quietly(held.conn)
-                        if not disconnected:
-                            free.put(held)  # the statement failed; the connection is fine
-                            raise
-                        held.invalidate(exc)
-                        free.discard(held)
-                        free.clear()
-                        self.engine.dispose()
-                        if attempt == 1:
-                            continue
-                        raise
-                    free.put(held)
-                    return result
-                finally:
-                    if self.serial is not None:
-                        self.serial.release()
+                result = self._attempt(work, free, attempt)
             except (SQLAlchemyError, self.dbapi_error) as exc:
                 raise self.translated(exc, what, attempt == 1) from exc
             finally:
                 shield.__exit__()
+            if result is not _RETRY:
+                return result
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _attempt(self, work: Callable[[Any], T], free: FreeList[Connection], attempt: int) -> T:
+        """One attempt of :meth:`run` (shielded, its driver errors translated by the caller):
+        ``work``'s result, or ``_RETRY`` when the connection broke on the first attempt."""
+        if self.serial is not None:
+            self.serial.acquire()
+        try:
+            held = free.get()
+            try:
+                result = work(held.cursor)
+            except BaseException as exc:
+                if not isinstance(exc, self.dbapi_error):
+                    # Interrupted mid-call (a signal, a soft time limit): the
+                    # connection may be mid-command, so it never serves again.
+                    held.invalidate(exc)
+                    free.discard(held)
+                    raise
+                disconnected = self.engine.dialect.is_disconnect(
+                    exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
+                    held.conn.dbapi_connection,
+                    None,
+                )
+                if self.dialect == "sqlite":
+                    rollback_quietly(held.conn)
+                if not disconnected:
+                    free.put(held)  # the statement failed; the connection is fine
+                    raise
+                held.invalidate(exc)
+                free.discard(held)
+                free.clear()
+                self.engine.dispose()
+                if attempt == 1:
+                    return _RETRY  # type: ignore[return-value]
+                raise
+            free.put(held)
+            return result
+        finally:
+            if self.serial is not None:
+                self.serial.release()
 
     def _connect(self) -> Connection:
         return Connection(
@@ -213,6 +228,11 @@ class Connections:
         """Close the idle connections of both free lists (the engine is the store's to dispose)."""
         self.free.close()
         self.renewer_free.close()
+
+
+_TRANSLATE = Connections.translate
+#: What Connections._attempt returns when the work is to be tried again on a fresh connection.
+_RETRY = object()
 
 
 class Connection:
