@@ -96,6 +96,29 @@ class TestIdentity:
         assert (third.identity_state, third.identity_attempt) == ("failed", 2)
         assert third.identity_owner_label == "host:2:task-b"
 
+    def test_a_retried_claim_names_the_owner_and_fence_of_the_identity_record(self, store, names):
+        """A claim sent again after a lost reply (the same owner token) returns what the
+        first attempt found: the identity record's owner label and fence (not those of an
+        expired, never released lease of other work between, which previous_owner_label
+        names). Failed before: Redis None, the memory store the other work's label."""
+        first = claim(store, names, owner="host:1:task-a", identity="job-f")
+        assert first.identity_fence is None
+        assert store.release(first, outcome="failed")
+        claim(store, names, owner="crashed", identity="other", ttl=SHORT)
+        expire(store, names + "r")
+        owner = Owner.new("host:2:task-a")
+        again = store.acquire(names + "r", owner, LONG, identity="job-f")
+        retried = store.acquire(names + "r", owner, LONG, identity="job-f")
+        for lease in (again, retried):
+            assert lease.fence == again.fence
+            assert (lease.identity_state, lease.identity_owner_label) == (
+                "failed",
+                "host:1:task-a",
+            )
+            assert lease.identity_fence == first.fence
+            assert lease.previous_owner_label == "crashed"
+        store.release(retried)
+
     def test_a_crashed_owner_is_recovered_from_lease_and_identity(self, store, names):
         """Expired, never released: the takeover reports the crashed owner."""
         first = claim(store, names, owner="crashed", ttl=SHORT)

@@ -6,8 +6,10 @@ so no user input ever becomes part of a lease key name or pattern):
 ```text
 <prefix>{NN}:leases    hash   resource -> "<token> <fence> <acquired_us> <expires_us> <label>"
                               followed, when the claim recovered earlier work, by
-                              "\n<prev_fence>\n<identity_state>\n<prev_label>" (the recovery
-                              facts, so a claim retried after a lost reply returns them too)
+                              "\n<prev_fence>\n<identity_state>\n<identity_fence>\n
+                              <identity_label>\n<prev_label>" (the recovery facts, so a claim
+                              retried after a lost reply returns them too; older scripts wrote
+                              them without the identity record's fence and label)
 <prefix>{NN}:expiry    zset   resource -> expires_us (the expiry index)
 <prefix>{NN}:fences    hash   resource -> last fence issued (no TTL, never reset),
                               "!epoch" -> server time (us) when the shard was first written,
@@ -341,10 +343,16 @@ if cur then
     -- facts the first attempt found (its identity record is ours now; the facts are the tail)
     fence, acquired, exp = tonumber(f), tonumber(a), tonumber(e)
     ist, ifence, ilabel = false, false, false
-    local pf, st, pl = string.match(tail, '^\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+    local pf, st, idf, idl, pl = string.match(
+      tail, '^\\n([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+    if not pf then
+      pf, st, pl = string.match(tail, '^\\n([^\\n]*)\\n([^\\n]*)\\n(.*)$')
+    end
     if pf and pf ~= '' then prev_label, prev_fence = pl, tonumber(pf) end
     if st and st ~= '' then
       ist = st
+      if idf and idf ~= '' then ifence = idf end
+      if idl and idl ~= '' then ilabel = idl end
       if member then ckpt = redis.call('HGET', KEYS[6], member) end
     end
   else
@@ -365,7 +373,8 @@ if not fence then
     local pf, pl = prev_fence, prev_label
     if not pf then pf, pl = ifence, ilabel end
     rec = rec .. '\\n' .. (pf and fmt(tonumber(pf)) or '') .. '\\n' .. (ist or '') .. '\\n' ..
-      (pl or '')
+      (ist and ifence and fmt(tonumber(ifence)) or '') .. '\\n' .. (ist and ilabel or '') ..
+      '\\n' .. (pl or '')
   end
   redis.call('HSET', KEYS[3], ARGV[1], fs)
   redis.call('HSET', KEYS[1], ARGV[1], rec)
