@@ -17,11 +17,17 @@ queue; (f) a wake stranded in a killed worker's queue.
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
+import redis
 
+from celery_lease._app import wake_queue
 from tests.conftest import unique
+from tests.integration.harness import ROOT
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -261,3 +267,29 @@ def test_a_wake_comes_before_its_queues_under_the_redis_queue_order(
     (woken,) = [e for e in entered if e["k"] == 1]
     assert woken["via"] == (None if strategy == "sorted" else q1 + WAKE), woken
     assert entered[entered.index(woken) + 1 :], "the woken waiter ran after the whole backlog"
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["wake_queue_named", "negative_control"])
+def test_celery_purge_empties_a_wake_queue_it_is_given(it_app, queue, named):
+    """``celery purge`` empties the app's task queues only (a wake queue is not one): the
+    docs (tasks.md) say to name the wake queues, ``-Q q,q.lease-wake``. A message waiting in
+    each; the named ones are emptied. Negative control (``-Q q``): the wake stays."""
+    broker = redis.Redis.from_url(os.environ["CL_BROKER"])
+    n = unique("p")
+    it_app.plain_step.apply_async((n, 0, 0.0), queue=queue)
+    it_app.plain_step.apply_async((n, 1, 0.0), queue=wake_queue(queue + WAKE))
+    assert (broker.llen(queue), broker.llen(queue + WAKE)) == (1, 1)
+    names = f"{queue},{queue}{WAKE}" if named else queue
+    purge = [sys.executable, "-m", "celery", "-A", "tests.integration.worker_app", "purge"]
+    done = subprocess.run(
+        [*purge, "-f", "-Q", names],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert broker.llen(queue) == 0
+    assert broker.llen(queue + WAKE) == (0 if named else 1), done.stdout
