@@ -57,6 +57,7 @@ from benchmarks.bench_overhead import (  # noqa: E402 - ROOT first
     build_app,
     postgres_floor,
     redis_floor,
+    start_servers,
     tracer_runner,
 )
 
@@ -236,25 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
-        redis_url, postgres_url = None, None
-        if "redis" in stores:
-            redis_url = args.redis_url
-            if not redis_url:
-                from tests.tooling.servers import RedisServer
-
-                server = RedisServer(appendonly=True, appendfsync="everysec")
-                stack.callback(server.close)
-                server.start()
-                redis_url = server.url
-        if "postgres" in stores:
-            postgres_url = args.postgres_url
-            if not postgres_url:
-                from tests.tooling.servers import PostgresServer
-
-                pg = PostgresServer()
-                stack.callback(pg.close)
-                pg.start()
-                postgres_url = pg.url
+        redis_url, postgres_url, _ = start_servers(stack, stores, args.redis_url, args.postgres_url)
         calibration = Calibration(tracer_runner(build_app(redis_url, postgres_url), "o.plain"))
         for _ in range(args.calibration_samples):
             calibration.sample()

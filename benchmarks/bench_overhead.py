@@ -201,6 +201,37 @@ def measure(run: Callable[[int], None], n: int, servers: ServerCpu) -> dict[str,
     return out
 
 
+def start_servers(
+    stack: contextlib.ExitStack,
+    stores: list[str],
+    redis_url: str | None,
+    postgres_url: str | None,
+) -> tuple[str | None, str | None, int | None]:
+    """The Redis and PostgreSQL URLs to use for ``stores``: the given ones, or servers started
+    here (stopped when ``stack`` closes); and the started PostgreSQL's pid (None otherwise)."""
+    postgres_pid = None
+    if "redis" not in stores:
+        redis_url = None
+    elif not redis_url:
+        from tests.tooling.servers import RedisServer
+
+        server = RedisServer(appendonly=True, appendfsync="everysec")
+        stack.callback(server.close)
+        server.start()
+        redis_url = server.url
+    if "postgres" not in stores:
+        postgres_url = None
+    elif not postgres_url:
+        from tests.tooling.servers import PostgresServer
+
+        pg = PostgresServer()
+        stack.callback(pg.close)
+        pg.start()
+        postgres_url = pg.url
+        postgres_pid = pg.pid
+    return redis_url, postgres_url, postgres_pid
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", default="redis,postgres", help="comma list: redis,postgres")
@@ -216,27 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown store(s) {sorted(bad)}: choose from redis, postgres")
 
     with contextlib.ExitStack() as stack:
-        redis_url = postgres_url = None
-        postgres_pid = None
-        if "redis" in stores:
-            redis_url = args.redis_url
-            if not redis_url:
-                from tests.tooling.servers import RedisServer
-
-                server = RedisServer(appendonly=True, appendfsync="everysec")
-                stack.callback(server.close)
-                server.start()
-                redis_url = server.url
-        if "postgres" in stores:
-            postgres_url = args.postgres_url
-            if not postgres_url:
-                from tests.tooling.servers import PostgresServer
-
-                pg = PostgresServer()
-                stack.callback(pg.close)
-                pg.start()
-                postgres_url = pg.url
-                postgres_pid = pg.pid
+        redis_url, postgres_url, postgres_pid = start_servers(
+            stack, stores, args.redis_url, args.postgres_url
+        )
         app = build_app(redis_url, postgres_url)
         servers = ServerCpu(redis_url, postgres_pid)
         runs: dict[str, Callable[[int], None]] = {"plain": tracer_runner(app, "o.plain")}
