@@ -39,7 +39,11 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     claim re-arms it: it no longer counts as woken, see 14; its new payload replaces the old one
     only while the list's payloads stay within ``wait_bytes_cap``, else the old one is kept).
     A claim past either bound is refused unlisted (position None). A waiter's place lapses
-    ``wait_ttl`` seconds after its last refused claim.
+    ``wait_ttl`` seconds after its last refused claim. A claim naming its ``attempt`` (the
+    task's retries) lists that attempt; a later refused claim naming an older attempt of the
+    same identity (a copy sent before the retry) leaves the place as it is (not re-armed, its
+    payload kept), and 13 does not count it as that waiter: it is held behind it and, when it
+    claims, leaves the place listed. A place or claim without an attempt matches any attempt.
 13. While the resource has no live lease it is held for the waiter woken less than
     ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
     woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a
@@ -230,12 +234,15 @@ class LeaseStore(Protocol):
         identity: str | None = None,
         wait: str | None = None,
         wait_ttl: float = 120.0,
+        attempt: int | None = None,
     ) -> Lease:
         """Claim ``resource`` for ``owner`` for ``ttl`` seconds of store time, atomically.
 
         With ``wait`` (a wake payload: the message to send again; needs ``identity``), a claim
         refused for other work joins the resource's FIFO wait list, keeping its place for
-        ``wait_ttl`` seconds (invariants 12-14); ``LeaseBusyError.position`` tells where. A
+        ``wait_ttl`` seconds (invariants 12-14); ``LeaseBusyError.position`` tells where;
+        ``attempt`` (the task's retries) keeps a copy of an older attempt from taking over a
+        newer attempt's place (12). A
         payload with a NUL character or a lone surrogate raises ``LeaseConfigError`` on every
         store.
 
@@ -587,6 +594,16 @@ class BaseLeaseStore:
                 ) from None
         validate_ttl(wait_ttl, 365 * 86400.0, name="wait_ttl")
         return wait
+
+    @staticmethod
+    def _attempt_args(attempt: int | None) -> int | None:
+        if attempt is None:
+            return None
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+            raise LeaseConfigError(
+                f"attempt must be a non-negative int or None, got {show_value(attempt)}"
+            )
+        return attempt
 
     @staticmethod
     def _outcome_args(lease: Lease, outcome: str | None) -> None:

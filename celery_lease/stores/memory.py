@@ -69,16 +69,27 @@ def _wake(waiter: list[Any], until: int) -> None:
     waiter[2] = max(waiter[2], until)
 
 
-def _held(waits: list[list[Any]], identity: str | None, now: int) -> list[Any] | None:
+def _older(waiter: list[Any], attempt: int | None) -> bool:
+    """Whether a claim of ``attempt`` is a copy of an older attempt than the one ``waiter``
+    was listed by (its identity retried since): it neither re-arms, replaces the wake of,
+    nor claims as that waiter. A place or a claim that names no attempt (a worker of an
+    earlier version) is never older."""
+    return attempt is not None and waiter[5] is not None and attempt < waiter[5]
+
+
+def _held(
+    waits: list[list[Any]], identity: str | None, now: int, attempt: int | None = None
+) -> list[Any] | None:
     """The waiter the free resource is held for against a claim by ``identity``: the one
     whose wake is in flight (woken less than the grace ago: one wake at a time, even with a
     re-armed waiter ahead of it), else the first never woken (or re-armed), unless
-    ``identity`` is that waiter or listed before it (None then, or when nobody waits)."""
+    ``identity`` is that waiter or listed before it (None then, or when nobody waits); a copy
+    of an older attempt than the one listed is not that waiter."""
     held = next((w for w in waits if w[3] > now), None)
     if held is None:
         held = next((w for w in waits if w[3] == 0), None)
     for waiter in waits:
-        if waiter[0] == identity:
+        if waiter[0] == identity and not _older(waiter, attempt):
             return None
         if waiter is held:
             return held
@@ -119,7 +130,8 @@ class MemoryLeaseStore(BaseLeaseStore):
         # The retention index: (expires_us, table, key) for every write of those records; an
         # entry whose record was rewritten later (or removed) is skipped when it comes up.
         self._expiry: list[tuple[int, int, Any]] = []
-        # resource -> FIFO wait list of [identity, since_us, expires_us, woken_until_us, payload]
+        # resource -> FIFO wait list of
+        # [identity, since_us, expires_us, woken_until_us, payload, attempt or None]
         self._waits: dict[str, list[list[Any]]] = {}
         # resource -> until when nothing is held for a woken head (a wake missed its grace)
         self._slow: dict[str, int] = {}
@@ -144,7 +156,13 @@ class MemoryLeaseStore(BaseLeaseStore):
         return waits
 
     def _join(
-        self, resource: str, identity: str | None, payload: str, wait_ttl: float, now: int
+        self,
+        resource: str,
+        identity: str | None,
+        payload: str,
+        wait_ttl: float,
+        now: int,
+        attempt: int | None,
     ) -> int:
         if not payload or identity is None:
             return 0
@@ -152,6 +170,10 @@ class MemoryLeaseStore(BaseLeaseStore):
         until = now + round(wait_ttl * 1e6)
         for place, waiter in enumerate(waits, 1):
             if waiter[0] == identity:
+                if _older(waiter, attempt):
+                    # a copy of an attempt its identity moved past (a back-stop copy sent
+                    # before a retry): the newer attempt keeps its wake and its state
+                    return place
                 # Refused again (a woken copy too late or beaten to it, or a back-stop copy):
                 # it keeps its place and is re-armed, so the next release wakes it again. Its
                 # new payload replaces the old one only within wait_bytes_cap (else the old,
@@ -162,13 +184,14 @@ class MemoryLeaseStore(BaseLeaseStore):
                 new = len(payload.encode())
                 if new <= old or _payload_bytes(waits) - old + new <= self.wait_bytes_cap:
                     waiter[4] = payload
+                    waiter[5] = attempt
                 return place
         if (
             len(waits) >= self.wait_cap
             or _payload_bytes(waits) + len(payload.encode()) > self.wait_bytes_cap
         ):
             return 0
-        waits.append([identity, now, until, 0, payload])
+        waits.append([identity, now, until, 0, payload, attempt])
         return len(waits)
 
     def acquire(
@@ -180,10 +203,12 @@ class MemoryLeaseStore(BaseLeaseStore):
         identity: str | None = None,
         wait: str | None = None,
         wait_ttl: float = 120.0,
+        attempt: int | None = None,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
         payload = self._wait_args(identity, wait, wait_ttl)
+        attempt = self._attempt_args(attempt)
         sent = monotonic()
         with self._lock:
             now = self._now_us()
@@ -205,7 +230,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                         duplicate=duplicate,
                         position=0
                         if duplicate
-                        else self._join(resource, identity, payload, wait_ttl, now),
+                        else self._join(resource, identity, payload, wait_ttl, now, attempt),
                     )
                 # The same claim retried: the same lease and what the first attempt recovered.
                 record = current
@@ -218,11 +243,15 @@ class MemoryLeaseStore(BaseLeaseStore):
                     ckpt = self._alive(self._ckpts, (resource, identity), now, -1)
                     checkpoints = decode(ckpt[1]) if ckpt else None
             else:
-                held = None if self._slow.get(resource, 0) > now else _held(waits, identity, now)
+                held = (
+                    None
+                    if self._slow.get(resource, 0) > now
+                    else _held(waits, identity, now, attempt)
+                )
                 if held is not None:
                     # held for a waiter ahead of this claim (never woken, or woken within its
                     # grace): wait behind it
-                    position = self._join(resource, identity, payload, wait_ttl, now)
+                    position = self._join(resource, identity, payload, wait_ttl, now, attempt)
                     wake = None
                     if held[3] == 0:  # nobody woke it (the releaser died?): wake it now
                         _wake(held, now + round(self.handoff_grace * 1e6))
@@ -239,9 +268,9 @@ class MemoryLeaseStore(BaseLeaseStore):
                 # (an earlier arrival); or a wake missed its grace lately (woken copies wait
                 # behind a backlog, or their workers are paused) and nothing is held: this
                 # claim takes the resource rather than leaving it idle. A waiter that claims
-                # leaves the list.
+                # leaves the list (a copy of an older attempt leaves the newer one's place).
                 for place, waiter in enumerate(waits):
-                    if waiter[0] == identity:
+                    if waiter[0] == identity and not _older(waiter, attempt):
                         del waits[place]
                         if not waits:
                             del self._waits[resource]

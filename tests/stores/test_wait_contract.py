@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
 
@@ -52,6 +53,29 @@ def bstore(request, tmp_path):
         instance.ledger_sql.use_functions(False)
     elif kind == "postgres":
         assert instance.sql.acquire_raw is instance.sql.fast_raw[0]  # the functions
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+@pytest.fixture(
+    params=(
+        "memory",
+        "redis",
+        "redis_cluster",
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("postgres_fallback", marks=pytest.mark.postgres),
+    )
+)
+def astore(request, tmp_path):
+    """Each store (the Redis Cluster one too), PostgreSQL also without its functions."""
+    kind = request.param
+    instance = make_store(kind.removesuffix("_fallback"), request, tmp_path)
+    if kind == "postgres_fallback":
+        instance.sql.use_functions(False)
+        instance.ledger_sql.use_functions(False)
     try:
         yield instance
     finally:
@@ -585,6 +609,50 @@ class TestFullListWrites:
             store.close()
 
 
+class TestPlacesOfAnEarlierVersion:
+    @pytest.mark.parametrize(
+        "kind",
+        [
+            "sqlite",
+            pytest.param("postgres", marks=pytest.mark.postgres),
+            pytest.param("postgres_fallback", marks=pytest.mark.postgres),
+        ],
+    )
+    def test_places_without_an_attempt_keep_working(self, kind, request, tmp_path, names):
+        """Places an earlier version wrote (five fields, no attempt) are read, re-armed by any
+        attempt, woken and claimed; a re-arm then names its attempt and keeps it."""
+        store = make_store(kind.removesuffix("_fallback"), request, tmp_path)
+        if kind == "postgres_fallback":
+            store.sql.use_functions(False)
+        try:
+            r = names + "r"
+            lease = claim(store, r, "holder")
+            refused(store, r, "a")
+            refused(store, r, "b")
+            table = store.leases_table.name
+            cast = "CAST(:w AS jsonb)" if kind.startswith("postgres") else ":w"
+            with store.engine.begin() as conn:
+                raw = conn.execute(
+                    sa.text(f'SELECT waits FROM "{table}" WHERE resource = :r'), {"r": r}
+                ).scalar()
+                old = [place[:5] for place in load(raw)]
+                conn.execute(
+                    sa.text(f'UPDATE "{table}" SET waits = {cast} WHERE resource = :r'),
+                    {"r": r, "w": json.dumps(old)},
+                )
+            assert attempt_refused(store, r, "a", 1).position == 1  # re-armed, attempt named
+            assert attempt_refused(store, r, "a", 0).position == 1  # older: changes nothing
+            store.release(lease)
+            assert lease.handoff == "payload-a1"
+            lease = attempt_claim(store, r, "a", 1)
+            store.release(lease)
+            assert lease.handoff == "payload-b"  # the earlier version's place, woken
+            claim(store, r, "b")
+            assert store.waiters(r) == []
+        finally:
+            store.close()
+
+
 @contextlib.contextmanager
 def _row_writes(store, resource):
     """Count the writes of ``resource``'s lease row from here on (PostgreSQL: its xmin moves
@@ -752,3 +820,90 @@ class TestTablesOfAnEarlierVersion:
                 message = str(caught.value)
                 assert f"the lease tables {table_prefix}leases, {table_prefix}meta" in message
                 assert "do not exist" in message and "lease init-schema" in message
+
+
+def attempt_claim(store, resource, who, attempt, payload=None):
+    """A claim of ``who``'s attempt ``attempt`` (request.retries) that waits when refused."""
+    return store.acquire(
+        resource,
+        Owner.new(who),
+        LONG,
+        identity=who,
+        wait=payload or f"payload-{who}{attempt}",
+        wait_ttl=60.0,
+        attempt=attempt,
+    )
+
+
+def attempt_refused(store, resource, who, attempt, payload=None):
+    with pytest.raises(LeaseBusyError) as caught:
+        attempt_claim(store, resource, who, attempt, payload)
+    return caught.value
+
+
+class TestRetriedWaiters:
+    """A waiter that retried (its identity moved on to attempt N) keeps its place and its wake
+    against copies of its older attempts (back-stop copies re-queued before the retry)."""
+
+    def test_an_older_attempt_neither_re_arms_nor_replaces_a_newer_attempts_wake(
+        self, astore, names
+    ):
+        """A back-stop copy of attempt 0 refused after attempt 1 was listed leaves attempt
+        1's wake in place: the next release wakes attempt 1 (before: attempt 0's copy, which
+        ends superseded, and attempt 1 waited for its own back-stop copy)."""
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        assert attempt_refused(astore, r, "a", 1).position == 1
+        assert attempt_refused(astore, r, "a", 0).position == 1  # still listed, not re-armed
+        refused(astore, r, "b")
+        astore.release(lease)
+        assert lease.handoff == "payload-a1"
+        assert [w.identity for w in astore.waiters(r)] == ["a", "b"]
+
+    def test_an_older_attempt_does_not_re_arm_a_woken_newer_attempt(self, astore, names):
+        """A woken newer attempt is not re-armed by a refused older copy: the hold stays on
+        its wake in flight (the old copy is refused behind it and wakes nobody)."""
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        attempt_refused(astore, r, "a", 1)
+        refused(astore, r, "b")
+        astore.release(lease)
+        assert lease.handoff == "payload-a1"
+        busy = attempt_refused(astore, r, "a", 0)  # held for a's wake: the old copy waits
+        assert busy.position == 1 and busy.wake is None
+        assert [(w.identity, w.woken) for w in astore.waiters(r)] == [("a", True), ("b", False)]
+
+    def test_an_older_attempt_cannot_take_a_resource_held_for_a_newer_one(self, astore, names):
+        """The resource held for a woken attempt 1 is not taken by a copy of attempt 0 (it
+        would end superseded and the listing of attempt 1 would be gone); attempt 1 claims."""
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        attempt_refused(astore, r, "a", 1)
+        refused(astore, r, "b")
+        astore.release(lease)
+        assert lease.handoff == "payload-a1"
+        attempt_refused(astore, r, "a", 0)
+        lease = attempt_claim(astore, r, "a", 1)
+        assert [w.identity for w in astore.waiters(r)] == ["b"]
+        astore.release(lease)
+        assert lease.handoff == "payload-b"
+
+    def test_a_newer_attempt_replaces_an_older_attempts_wake(self, astore, names):
+        """The retried attempt's refused claim re-arms its place with its own wake."""
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        attempt_refused(astore, r, "a", 0)
+        attempt_refused(astore, r, "a", 2)
+        attempt_refused(astore, r, "a", 1)
+        astore.release(lease)
+        assert lease.handoff == "payload-a2"
+
+    def test_a_place_listed_without_an_attempt_is_re_armed_by_any_attempt(self, astore, names):
+        """A place listed by a claim that named no attempt (a worker of an earlier version)
+        is kept as before: any refused claim of its identity re-arms it with its payload."""
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        refused(astore, r, "a")  # no attempt named
+        attempt_refused(astore, r, "a", 0)
+        astore.release(lease)
+        assert lease.handoff == "payload-a0"

@@ -25,6 +25,7 @@ so no user input ever becomes part of a lease key name or pattern):
 <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
 <prefix>{NN}:waits     hash   resource -> the FIFO wait list, one line per waiter, oldest
                               first: "<identity> <since_us> <expires_us> <woken_until_us>"
+                              and " <attempt>" when a retried attempt (> 0) was listed
 <prefix>{NN}:wpay      hash   "<resource>|<identity>" -> the waiter's wake payload (the
                               message its task sends again when woken), opaque text
 <prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us): the
@@ -97,14 +98,14 @@ local function wl_load(wkey, pkey, res, now, hold, got)
   got = got or redis.call('HMGET', wkey, res, '!' .. res)
   local list, dirty = {slow = tonumber(got[2] or '0')}, false
   if not got[1] then return list, dirty end
-  for id, s, e, w in string.gmatch(got[1], '([^ \\n]+) (%d+) (%d+) (%d+)') do
+  for id, s, e, w, a in string.gmatch(got[1], '([^ \\n]+) (%d+) (%d+) (%d+) ?(%d*)') do
     local woken = tonumber(w)
     if woken ~= 0 and woken <= now and woken + hold > list.slow then
       list.slow = woken + hold  -- woken, and did not claim within its grace
       dirty = true
     end
     if tonumber(e) > now then
-      list[#list + 1] = {id, s, e, w}
+      list[#list + 1] = {id, s, e, w, a}
     else
       dirty = true
       redis.call('HDEL', pkey, res .. '|' .. id)
@@ -121,6 +122,7 @@ local function wl_save(wkey, xkey, res, list)
   local parts, last = {}, 0
   for k, e in ipairs(list) do
     parts[k] = e[1] .. ' ' .. e[2] .. ' ' .. e[3] .. ' ' .. e[4]
+    if e[5] ~= '' and e[5] ~= '0' then parts[k] = parts[k] .. ' ' .. e[5] end
     if tonumber(e[3]) > last then last = tonumber(e[3]) end
   end
   redis.call('HSET', wkey, res, table.concat(parts, '\\n'))
@@ -190,7 +192,9 @@ ACQUIRE = (
 -- ARGV[5] identity or '', ARGV[6] retention (us), ARGV[7] wake payload or '' (join the wait
 -- list when refused; needs an identity), ARGV[8] how long the waiter's place is kept (us),
 -- ARGV[9] wait list cap, ARGV[10] hand-off grace (us), ARGV[11] the most bytes of wake
--- payloads the list holds (a new waiter that would pass it, or the cap, is not listed)
+-- payloads the list holds (a new waiter that would pass it, or the cap, is not listed),
+-- ARGV[12] the claim's attempt or '' (a copy of an older attempt than the one listed for its
+-- identity neither re-arms, replaces the payload of, nor claims as that waiter)
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
@@ -237,10 +241,16 @@ local acquired, exp = now, now + tonumber(ARGV[4])
 local ckpt = false
 -- a missed wake stops holding the resource for woken heads for 10 graces
 local wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now, 10 * tonumber(ARGV[10]))
+-- a copy of an older attempt than the one `w` was listed by (a place or a claim without an
+-- attempt, or at attempt 0, is never older)
+local function older(w)
+  return ARGV[12] ~= '' and w[5] ~= '' and tonumber(ARGV[12]) < tonumber(w[5])
+end
 local function join()  -- this claimant's place in the wait list (0: not queued)
   if ARGV[7] == '' or not member then return 0 end
   local until_ = fmt(now + tonumber(ARGV[8]))
   for k, w in ipairs(wl) do
+    if w[1] == ARGV[5] and older(w) then return k end  -- the newer attempt keeps its wake
     if w[1] == ARGV[5] then  -- already waiting: keep the place, refresh it, and re-arm it
       -- (refused again: a woken copy too late or beaten to it, or a back-stop copy), so the
       -- next release wakes it again
@@ -257,7 +267,10 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
         end
         fits = bytes <= tonumber(ARGV[11])
       end
-      if fits then redis.call('HSET', KEYS[8], member, ARGV[7]) end
+      if fits then
+        redis.call('HSET', KEYS[8], member, ARGV[7])
+        w[5] = ARGV[12]
+      end
       dirty = true
       return k
     end
@@ -268,7 +281,7 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
     bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. w[1])
   end
   if bytes > tonumber(ARGV[11]) then return 0 end
-  wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0'}
+  wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0', ARGV[12]}
   redis.call('HSET', KEYS[8], member, ARGV[7])
   dirty = true
   return #wl
@@ -302,7 +315,7 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
       if woken == 0 and not pick then pick = w end
     end
     for _, w in ipairs(wl) do
-      if w[1] == ARGV[5] then break end
+      if w[1] == ARGV[5] and not older(w) then break end
       if w == pick then
         held = w
         break
@@ -325,9 +338,10 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
   -- the waiter held for claims, or a waiter ahead of it that missed its grace (an earlier
   -- arrival); or a wake missed its grace lately (woken copies wait behind a backlog, or their
   -- workers are paused) and nothing is held: this claim takes the resource rather than
-  -- leaving it idle. A waiter that claims leaves the list.
+  -- leaving it idle. A waiter that claims leaves the list (a copy of an older attempt leaves
+  -- the newer attempt's place listed).
   for k, w in ipairs(wl) do
-    if w[1] == ARGV[5] then
+    if w[1] == ARGV[5] and not older(w) then
       table.remove(wl, k)
       redis.call('HDEL', KEYS[8], member)
       dirty = true

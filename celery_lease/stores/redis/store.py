@@ -237,10 +237,12 @@ class RedisLeaseStore(BaseLeaseStore):
         identity: str | None = None,
         wait: str | None = None,
         wait_ttl: float = 120.0,
+        attempt: int | None = None,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
         payload = self._wait_args(identity, wait, wait_ttl)
+        attempt = self._attempt_args(attempt)
         shard = self.shard_of(resource)
         keys = self._acquire_keys[shard]
         args: list[str | int] = [
@@ -255,6 +257,7 @@ class RedisLeaseStore(BaseLeaseStore):
             self.wait_cap,
             max(1, round(self.handoff_grace * 1e6)),
             self.wait_bytes_cap,
+            "" if attempt is None else attempt,
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):
@@ -412,7 +415,8 @@ class RedisLeaseStore(BaseLeaseStore):
             )
         out: builtins.list[Waiter] = []
         for line in _text(raw[0]).split("\n") if raw and raw[0] else ():
-            identity, since, expires, woken = line.split(" ")
+            # (and " <attempt>" after a retry: see scripts.py)
+            identity, since, expires, woken = line.split(" ")[:4]
             if int(expires) <= now:
                 continue
             out.append(

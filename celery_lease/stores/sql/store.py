@@ -253,6 +253,7 @@ class SQLLeaseStore(BaseLeaseStore):
         identity: str | None = None,
         wait: str | None = None,
         wait_ttl: float = 120.0,
+        attempt: int | None = None,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
@@ -269,6 +270,7 @@ class SQLLeaseStore(BaseLeaseStore):
             "cap": self.wait_cap,
             "wbytes": self.wait_bytes_cap,
             "grace": max(1, round(self.handoff_grace * 1e6)),
+            "a": self._attempt_args(attempt),
         }
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:

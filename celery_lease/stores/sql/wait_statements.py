@@ -21,8 +21,9 @@ read is ``FOR UPDATE``), which stay as the fallback for a database without them.
 Parameters: ``r`` resource, ``t`` owner token, ``l`` label, ``ttl`` (us), ``i`` identity or
 NULL, ``w`` wake payload or NULL, ``wttl`` how long a place is kept (us), ``cap`` wait list cap,
 ``grace`` hand-off grace (us), ``wbytes`` the most bytes of payloads a list holds (a join
-that would pass it, or ``cap``, is refused unlisted). A waiter is
-``[identity, since, expires, woken_until, payload]``.
+that would pass it, or ``cap``, is refused unlisted), ``a`` the claim's attempt or NULL. A
+waiter is ``[identity, since, expires, woken_until, payload, attempt]`` (no attempt in a place
+an earlier version wrote; a NULL or missing one is never older, see :func:`.waits.older`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
     (the holder runs this identity); ``not_done`` a condition that the identity is not done."""
     i, w, grace = f"{p('i')}::varchar", f"{p('w')}::text", f"{p('grace')}::bigint"
     wttl, cap = f"{p('wttl')}::bigint", f"{p('cap')}::bigint"
-    wbytes = f"{p('wbytes')}::bigint"
+    wbytes, a = f"{p('wbytes')}::bigint", f"{p('a')}::bigint"
     write = """
             waits = CASE WHEN n.list = '[]'::jsonb THEN NULL ELSE n.list END,
             wait_slow_us = CASE WHEN n.list = '[]'::jsonb OR n.slow = 0 THEN NULL
@@ -85,7 +86,9 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                 h.e AS head, h.pos AS hpos,
                 (SELECT count(*) FROM lw) AS cnt,
                 (SELECT coalesce(sum(octet_length(lw.e->>4)), 0) FROM lw) AS bytes,
-                (SELECT lw.pos FROM lw WHERE lw.e->>0 = {i}) AS mine
+                (SELECT lw.pos FROM lw WHERE lw.e->>0 = {i}) AS mine,
+                coalesce((SELECT {a} < (lw.e->>5)::bigint FROM lw WHERE lw.e->>0 = {i}),
+                         false) AS stale
             FROM cur AS c CROSS JOIN clk AS k
             LEFT JOIN LATERAL (
                 SELECT lw.e, lw.pos FROM lw
@@ -96,7 +99,7 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                 WHEN st.live AND st.owner_token <> {p("t")} THEN 'busy'
                 WHEN st.live THEN 'mine'
                 WHEN st.head IS NOT NULL AND st.slow <= st.now
-                     AND (st.mine IS NULL OR st.mine > st.hpos)
+                     AND (st.mine IS NULL OR st.stale OR st.mine > st.hpos)
                      THEN 'held'
                 ELSE 'claim' END AS verdict
             FROM st),
@@ -113,18 +116,23 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                 SELECT jsonb_agg(CASE
                     WHEN act.wakes AND x.pos = act.hpos THEN jsonb_build_array(x.e->0, x.e->1,
                         greatest((x.e->>2)::bigint, act.now + {grace}), act.now + {grace},
-                        x.e->4)
-                    WHEN act.joins AND x.e->>0 = {i} THEN jsonb_build_array(x.e->0, x.e->1,
+                        x.e->4, x.e->5)
+                    WHEN act.joins AND NOT act.stale AND x.e->>0 = {i}
+                    THEN jsonb_build_array(x.e->0, x.e->1,
                         greatest((x.e->>2)::bigint, act.now + {wttl}), 0,
                         CASE WHEN act.bytes - octet_length(x.e->>4) + octet_length({w})
                                   <= {wbytes}
-                             THEN to_jsonb({w}) ELSE x.e->4 END)
+                             THEN to_jsonb({w}) ELSE x.e->4 END,
+                        CASE WHEN act.bytes - octet_length(x.e->>4) + octet_length({w})
+                                  <= {wbytes}
+                             THEN to_jsonb({a}) ELSE x.e->5 END)
                     ELSE x.e END ORDER BY x.pos)
                 FROM lw AS x
-                WHERE act.verdict <> 'claim' OR x.e->>0 IS DISTINCT FROM {i}), '[]'::jsonb)
+                WHERE act.verdict <> 'claim' OR act.stale OR x.e->>0 IS DISTINCT FROM {i}),
+                '[]'::jsonb)
               || CASE WHEN act.joins AND act.mine IS NULL AND act.fits
                  THEN jsonb_build_array(
-                     jsonb_build_array({i}, act.now, act.now + {wttl}, 0, {w}))
+                     jsonb_build_array({i}, act.now, act.now + {wttl}, 0, {w}, {a}))
                  ELSE '[]'::jsonb END AS list
             FROM act),
         take AS (
@@ -141,7 +149,8 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
             FROM (SELECT nl.*, nl.verdict = 'claim' AS took FROM nl) AS n
             WHERE u.resource = {p("r")}
               AND (SELECT v.verdict = 'claim' OR v.wakes
-                          OR (v.joins AND (v.mine IS NOT NULL OR v.fits)) FROM nl AS v)
+                          OR (v.joins AND NOT v.stale AND (v.mine IS NOT NULL OR v.fits))
+                   FROM nl AS v)
             RETURNING n.took, u.fence, u.acquired_us, u.expires_us, u.prev_label,
                       u.prev_fence),
         claimed AS (
@@ -181,7 +190,7 @@ def release_columns(p: Callable[[str], str]) -> str:
     places = _release_places()
     woken = (
         f"jsonb_build_array(y.e->0, y.e->1, greatest((y.e->>2)::bigint, clk.us + {grace}), "
-        f"clk.us + {grace}, y.e->4)"
+        f"clk.us + {grace}, y.e->4, y.e->5)"
     )
     return f"""
                 waits = CASE WHEN u.waits IS NULL THEN NULL ELSE (
@@ -224,6 +233,7 @@ SETTLE_ARGS = (
     ("cap", "bigint"),
     ("wbytes", "bigint"),
     ("grace", "bigint"),
+    ("a", "bigint"),
     ("now", "bigint"),
     ("running", "bigint"),
     ("was_fence", "bigint"),

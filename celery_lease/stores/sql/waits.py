@@ -35,8 +35,17 @@ __all__ = [
     "stored",
 ]
 
-#: A wait list entry: [identity, since_us, expires_us, woken_until_us, payload].
+#: A wait list entry: [identity, since_us, expires_us, woken_until_us, payload, attempt]; the
+#: attempt (the retries of the claim that listed it, null when it named none) is absent from
+#: places written by an earlier version.
 Place = list[Any]
+
+
+def older(entry: Place, attempt: int | None) -> bool:
+    """Whether a claim of ``attempt`` is a copy of an older attempt than the one ``entry`` was
+    listed by (its identity retried since): it neither re-arms, replaces the wake of, nor
+    claims as that waiter. A place or a claim without an attempt is never older."""
+    return attempt is not None and len(entry) > 5 and entry[5] is not None and attempt < entry[5]
 
 
 def load(raw: Any) -> list[Place]:
@@ -73,42 +82,54 @@ class Waits:
                 return place
         return 0
 
-    def held(self, identity: str | None, now: int) -> Place | None:
+    def held(self, identity: str | None, now: int, attempt: int | None = None) -> Place | None:
         """The waiter the free resource is held for against a claim by ``identity``: the
         one whose wake is in flight (woken less than the grace ago: one wake at a time, even
         with a re-armed waiter ahead of it), else the first never woken (or re-armed), unless
-        ``identity`` is that waiter or listed before it (None then)."""
+        ``identity`` is that waiter or listed before it (None then); a copy of an older
+        ``attempt`` than the one listed is not that waiter."""
         held = next((e for e in self.places if int(e[3]) > now), None)
         if held is None:
             held = next((e for e in self.places if int(e[3]) == 0), None)
         for entry in self.places:
-            if entry[0] == identity:
+            if entry[0] == identity and not older(entry, attempt):
                 return None
             if entry is held:
                 return held
         return None
 
     def join(
-        self, identity: str, payload: str, until: int, now: int, cap: int, bytes_cap: int
+        self,
+        identity: str,
+        payload: str,
+        until: int,
+        now: int,
+        cap: int,
+        bytes_cap: int,
+        attempt: int | None = None,
     ) -> int:
         """Put ``identity`` at the back, or keep and refresh its place; its place (0: the list
         is full: ``cap`` places, or its payloads would pass ``bytes_cap`` bytes).
 
         A waiter refused again (a woken copy too late or beaten to it, or a back-stop copy)
         is re-armed: the next release wakes it again. Its new payload replaces the old one only
-        while the list's payloads stay within ``bytes_cap`` (else the old one is kept)."""
+        while the list's payloads stay within ``bytes_cap`` (else the old one is kept). A copy
+        of an older ``attempt`` than the one listed changes nothing (the newer keeps its wake)."""
         place = self.position(identity)
         if place:
             entry = self.places[place - 1]
+            if older(entry, attempt):
+                return place
             entry[2] = max(int(entry[2]), until)
             entry[3] = 0
             old, new = len(str(entry[4]).encode()), len(payload.encode())
             if new <= old or self.payload_bytes() - old + new <= bytes_cap:
                 entry[4] = payload
+                entry[5:] = [attempt]
             return place
         if len(self.places) >= cap or self.payload_bytes() + len(payload.encode()) > bytes_cap:
             return 0
-        self.places.append([identity, now, until, 0, payload])
+        self.places.append([identity, now, until, 0, payload, attempt])
         return len(self.places)
 
     def payload_bytes(self) -> int:
@@ -160,12 +181,13 @@ def decide(
     cap: int,
     bytes_cap: int,
     grace_us: int,
+    attempt: int | None = None,
 ) -> Settled:
     """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now)."""
     owner, expires, now = holder
     waits = Waits.read(raw, slow, now, 10 * grace_us)
     live = owner is not None and expires > now
-    head = None if live or waits.slow > now else waits.held(identity, now)
+    head = None if live or waits.slow > now else waits.held(identity, now, attempt)
     if live and owner != token:
         verdict = "busy"
     elif live:
@@ -175,14 +197,16 @@ def decide(
     else:
         settled = Settled("claim", waits, write=True, head=head)
         place = waits.position(identity)
-        if place:
+        if place and not older(waits.places[place - 1], attempt):
             del waits.places[place - 1]
         return settled
     settled = Settled(verdict, waits, head=head)
     if verdict == "mine":
         return settled
     if payload is not None and identity is not None and not (verdict == "busy" and duplicate):
-        settled.position = waits.join(identity, payload, now + wait_ttl_us, now, cap, bytes_cap)
+        settled.position = waits.join(
+            identity, payload, now + wait_ttl_us, now, cap, bytes_cap, attempt
+        )
         # Refused unlisted, the list is as it was (lapsed places and a missed wake are read
         # again from it): no rewrite, which at a full list is the cost of the refusal.
         settled.write = settled.position != 0
@@ -226,6 +250,7 @@ def settle(
         cap=params["cap"],
         bytes_cap=params["wbytes"],
         grace_us=params["grace"],
+        attempt=params.get("a"),
     )
     if settled.verdict == "claim":
         cursor.execute(sql.take, {**params, "now": now, **stored(settled.waits)})
