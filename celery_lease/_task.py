@@ -377,6 +377,9 @@ class LeaseTask(Task):  # type: ignore[misc]
                     identity=identity,
                     wait=wait[0],
                     wait_ttl=wait[1],
+                    # (so a copy of an older attempt, a back-stop sent before a retry, never
+                    # takes over the place and wake of this identity's newer attempt)
+                    attempt=request.retries or 0,
                 )
         except IdentityDoneError as done:
             _observe_acquire(claim_started, "duplicate")

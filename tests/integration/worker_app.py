@@ -604,6 +604,14 @@ if env.get("CL_FINISHED_READ") == "off":
     LeaseTask._drop_if_finished = lambda self, request, resource, lease=None: None  # type: ignore[method-assign]
 
 
+if env.get("CL_WAIT_ATTEMPT") == "off":
+    # Negative control of test_handoff_retried_waiter.py: the stores are not told the
+    # attempt of a claim, so a copy of an older attempt re-arms a newer attempt's place.
+    from celery_lease.stores import base as _base_for_attempt
+
+    _base_for_attempt.BaseLeaseStore._attempt_args = staticmethod(lambda attempt: None)  # type: ignore[method-assign]
+
+
 if env.get("CL_BACKSTOP") == "off":
     # Negative control of test_handoff_outcomes.py (there is no setting for it): a listed
     # waiter's re-queued copy comes 10 minutes later, so only a wake would run it in time.
@@ -655,8 +663,10 @@ def fifo_hold_backoff(self: Any, n: int, k: int, hold: float) -> int:
 
 @lease_task(app=app, resource="fifo-{n}", bind=True, max_retries=2)
 def fifo_retry_once(self: Any, n: int, k: int, countdown: float) -> int:
-    """Waits for fifo-<n> with the hand-off; its attempt 0 calls ``self.retry(countdown)``."""
-    report("enter", res=n, k=k, task=self.request.id, retries=self.request.retries)
+    """Waits for fifo-<n> with the hand-off; its attempt 0 calls ``self.retry(countdown)``
+    (``enter`` says whether this copy was woken)."""
+    woken = self.request.get(WOKEN) or (self.request.headers or {}).get(WOKEN)
+    report("enter", res=n, k=k, task=self.request.id, retries=self.request.retries, woken=woken)
     if self.request.retries == 0:
         raise self.retry(countdown=countdown)
     return k
