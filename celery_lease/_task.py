@@ -544,29 +544,44 @@ class LeaseTask(Task):  # type: ignore[misc]
             attempt=request.retries or 0,
             action="dropped a copy of a failed execution",
         )
-        self._release(lease, identity_outcome("failed", lease.identity_attempt), None)
         why = (
             f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
             f"(task id {request.id})"
         )
-        if not (request.is_eager or _ignores_result(self, request)):
-            # The run's FAILURE stays when it is there. It is not when Celery stored STARTED
-            # over it for this copy (task_track_started), or when the worker of the run died
-            # after its release and before Celery stored it (the message came back as a copy):
-            # without a failure stored now the task reads as running or waiting for ever. The
-            # first exception is gone; this one says what happened.
-            try:
-                stored = self.backend.get_task_meta(request.id, cache=False).get("status")
-                if stored != states.FAILURE:
-                    self.backend.store_result(
-                        request.id,
-                        LeaseError(f"{why}; this copy ended without running it"),
-                        states.FAILURE,
-                        request=request,
-                    )
+        error = LeaseError(f"{why}; this copy ended without running it")
+        # Read and stored under the lease, so the next copy of this execution sees it.
+        errbacks = self._store_failed_copy(request, error)
+        self._release(lease, identity_outcome("failed", lease.identity_attempt), None)
+        if errbacks:
+            try:  # the chord part return, the chain and link_error, as Celery's failure does
+                self.backend.mark_as_failure(
+                    request.id, error, request=request, store_result=False, call_errbacks=True
+                )
             except Exception:
-                log.exception("task %s[%s]: storing the failure failed", self.name, request.id)
+                log.exception("task %s[%s]: marking the failure failed", self.name, request.id)
         raise Ignore(why)
+
+    def _store_failed_copy(self, request: Any, error: LeaseError) -> bool:
+        """Store ``error`` as this dropped copy's FAILURE where the failed run's is not in the
+        result backend; whether Celery's other failure effects (chord part return, chain,
+        errbacks) are still due. The run's FAILURE stays when it is there. It is not when
+        Celery stored STARTED over it for this copy (task_track_started: the run's errbacks
+        ran, or its worker died before them, which the backend does not tell: stored only),
+        or when the worker of the run died after its release and before Celery marked the
+        failure (the message came back as a copy): then nothing saw the failure, and it is
+        marked as Celery would. The first exception is gone; ``error`` says what happened.
+        Nothing is read or stored when the task ignores its result."""
+        if request.is_eager or _ignores_result(self, request):
+            return False
+        try:
+            stored = self.backend.get_task_meta(request.id, cache=False).get("status")
+            if stored in states.READY_STATES:
+                return False
+            self.backend.store_result(request.id, error, states.FAILURE, request=request)
+        except Exception:
+            log.exception("task %s[%s]: storing the failure failed", self.name, request.id)
+            return False
+        return not self.track_started
 
     def _drop_if_finished(self, request: Any, resource: str, lease: Lease | None = None) -> None:
         """End this back-stop copy of a waiter (it counts its waits, no wake sent it) when the

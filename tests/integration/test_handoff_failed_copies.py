@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+from celery import chord
 
 from tests.conftest import unique
 from tests.integration.harness import backend_meta
@@ -235,3 +236,62 @@ def test_a_worker_killed_after_the_failed_release_leaves_a_failure(
     meta = backend_meta(it_app.app, [waiter.id])[waiter.id]
     assert meta["status"] == "FAILURE", meta
     assert "already ran and failed" in str(meta["result"]), meta
+
+
+@pytest.mark.parametrize(
+    ("crash", "track_started"),
+    [("kill", False), ("none", False), ("none-read-off", False), ("none", True)],
+)
+def test_a_chord_member_killed_after_the_failed_release_fails_its_chord(
+    it_app, start_worker, store_env, events, queue, tmp_path, crash, track_started
+):
+    """A chord member waits (hand-off), its woken copy fails and the pool process is killed
+    after the release recorded 'failed' and before Celery marked the failure (failpoint
+    before_wake=kill). The copy dropped as a copy of the failed execution must mark it as
+    Celery would: the chord fails (its callback FAILURE, not PENDING for ever) and the
+    member's link_error runs, once (before: a FAILURE stored with store_result only, no chord
+    part return, no errback). Controls (no kill): the run's own failure ran the errback, the
+    dropped copies must not run it again, with task_track_started too (Celery stored STARTED
+    over the FAILURE for the copy: the FAILURE is stored again, without errbacks), and with
+    the back-stop copy's read before its claim switched off (``none-read-off``: the copy is
+    dropped after its claim and finds the run's FAILURE)."""
+    env = {**store_env("redis"), "CL_TTL": "2", "CL_BACKOFF_CAP": "1.0"}
+    if crash == "none-read-off":
+        env["CL_FINISHED_READ"] = "off"
+    if track_started:
+        env["CL_TRACK_STARTED"] = "1"
+    qa, qb = queue + "a", queue + "b"
+    start_worker(env, queue=qa, pool="threads", concurrency=3)
+    failpoints = {
+        "CELERY_LEASE_FAILPOINTS": "before_wake=kill" if crash == "kill" else "",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+    start_worker({**env, **failpoints}, queue=qb, pool="prefork", concurrency=2)
+    n = unique("cc")
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.5), queue=qa)
+    events.wait(ev="enter", res=n, k=0)
+    member = it_app.fifo_fail.s(n, 1, 0.1).set(
+        queue=qb, link_error=it_app.note_callback.s(label="member-err").set(queue=qa)
+    )
+    other = it_app.plain_step.s(n, 9, 0.0).set(queue=qa)
+    body = it_app.note_callback.s(label="chord").set(queue=qa)
+    result = chord([member, other])(body)
+    member_id = result.parent.results[0].id
+    events.wait(ev="retry", task=member_id)
+    nxt = it_app.fifo_hold.apply_async((n, 2, 0.2), queue=qa)
+    events.wait(ev="retry", task=nxt.id)
+    assert holder.get(timeout=60) == 0
+    wait_for(
+        lambda: backend_meta(it_app.app, [result.id])[result.id]["status"] == "FAILURE",
+        SLACK,
+        "the chord's callback marked failed",
+    )
+    time.sleep(4)  # every copy of the member has come back by now
+    assert [e["run"] for e in events.where(ev="enter", res=n, k=1)] == [1]
+    assert [e["label"] for e in events.where(ev="callback")] == ["member-err"]
+    meta = backend_meta(it_app.app, [member_id])[member_id]
+    assert meta["status"] == "FAILURE", meta
+    if crash == "kill" or track_started:
+        assert "already ran and failed" in str(meta["result"]), meta
+    else:
+        assert str(meta["result"]) == "body run 1", meta
