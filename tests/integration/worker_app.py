@@ -713,10 +713,17 @@ def note_callback(*args: Any, label: str) -> None:
 
 
 @signals.task_postrun.connect
-def _on_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
-    """How each copy of fifo_fail ended (RETRY: re-queued; IGNORED: dropped unrun)."""
+def _on_postrun(
+    sender: Any = None, task_id: Any = None, state: Any = None, retval: Any = None, **_: Any
+) -> None:
+    """How each copy of fifo_fail ended (RETRY: re-queued; IGNORED: dropped unrun); and a
+    busy re-queue of a copy that already waited, which ends IGNORED (no task_retry signal)
+    with the busy error as the Ignore's cause: reported as "requeued"."""
     if getattr(sender, "name", "").endswith((".fifo_fail", ".shared_maybe", ".exit_once")):
         report("postrun", task=task_id, state=state)
+    cause = getattr(retval, "__cause__", None)
+    if state == "IGNORED" and type(cause).__name__ == "LeaseBusyError":
+        _report_outcome("requeued", task_id, getattr(sender, "name", None), cause)
 
 
 # The exactly-once scenarios' tasks register on this app too (imported last: they use it).
