@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import Task, shared_task, states
 from celery._state import _task_stack
 from celery.app.task import Context
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import _clock, metrics
@@ -570,8 +571,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         or when the worker of the run died after its release and before Celery marked the
         failure (the message came back as a copy): then nothing saw the failure, and it is
         marked as Celery would. The first exception is gone; ``error`` says what happened.
-        Nothing is read or stored when the task ignores its result."""
-        if request.is_eager or _ignores_result(self, request):
+        Nothing is read or stored when the task ignores its result or there is no result
+        backend."""
+        if request.is_eager or _ignores_result(self, request) or not _has_backend(self):
             return False
         try:
             stored = self.backend.get_task_meta(request.id, cache=False).get("status")
@@ -599,6 +601,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             or request.id is None
             or self.track_started
             or _ignores_result(self, request)
+            or not _has_backend(self)
             or not int(_header(request, WAITS_HEADER) or 0)
             or (lease is None and _header(request, WOKEN_HEADER) is not None)
         ):
@@ -1528,6 +1531,11 @@ def _owner_label(request: Any) -> str:
 
 def _ignores_result(task: Any, request: Any) -> bool:
     return bool(task.ignore_result or getattr(request, "ignore_result", False))
+
+
+def _has_backend(task: Any) -> bool:
+    """Whether the task's app has a result backend (not Celery's DisabledBackend)."""
+    return not isinstance(task.backend, DisabledBackend)
 
 
 def _copy_of_run(lease: Lease, request: Any) -> bool:

@@ -295,3 +295,28 @@ def test_a_chord_member_killed_after_the_failed_release_fails_its_chord(
         assert "already ran and failed" in str(meta["result"]), meta
     else:
         assert str(meta["result"]) == "body run 1", meta
+
+
+def test_without_a_result_backend_a_dropped_copy_logs_no_error(
+    it_app, start_worker, store_env, events, queue
+):
+    """No result backend (Celery's DisabledBackend): a failed waiter's other copy is dropped
+    unrun and quietly, with nothing to read or store (before: every dropped copy logged an
+    ERROR with a traceback, "storing the failure failed", AttributeError from
+    DisabledBackend)."""
+    env = {**store_env("redis"), "CL_TTL": "1", "CL_BACKOFF_CAP": "1.0", "CL_NO_BACKEND": "1"}
+    worker = start_worker(env, queue=queue, pool="threads", concurrency=4)
+    n = unique("nb")
+    it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_fail.apply_async((n, 1, 0.1), queue=queue)
+
+    def ended() -> list[str]:
+        states = [e["state"] for e in events.where(ev="postrun", task=waiter.id)]
+        return states[states.index("FAILURE") :] if "FAILURE" in states else []
+
+    wait_for(lambda: "IGNORED" in ended(), SLACK, "the dropped copy")
+    assert [e["run"] for e in events.where(ev="enter", res=n, k=1)] == [1]
+    log = worker.log()
+    assert "storing the failure failed" not in log
+    assert "DisabledBackend" not in log

@@ -52,6 +52,8 @@ app.conf.update(
 )
 if env.get("CL_TRACK_STARTED"):
     app.conf.task_track_started = True
+if env.get("CL_NO_BACKEND"):  # no result backend (Celery's DisabledBackend)
+    app.conf.result_backend = None
 if env.get("CL_WAKE_QUEUE"):  # unset: the library's default (on)
     app.conf.lease_handoff_wake_queue = env["CL_WAKE_QUEUE"] == "1"
 if env.get("CL_HANDOFF"):  # unset: the library's default (on)
