@@ -434,6 +434,16 @@ class LeaseTask(Task):  # type: ignore[misc]
             # acks_late and reject_on_worker_lost redeliver it; a lost lease: RETRY). The
             # result backend tells (back-stop copies read it before their claim).
             self._drop_if_finished(request, resource, lease)
+        elif (
+            wait is None
+            and identity is not None
+            and self._sibling_may_have_given_up(request, settings)
+        ):
+            # A woken copy listed by the copy before its last allowed wait: its back-stop
+            # sibling may have been refused since and ended FAILURE ("gave up after N busy
+            # waits"), leaving this place listed. The result backend tells; on a FAILURE the
+            # lease is given back (waking the next waiter) and this copy ends unrun.
+            self._drop_if_finished(request, resource, lease)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
             # The claim's reply came back after the self-fence deadline (the store was slow or
@@ -626,6 +636,14 @@ class LeaseTask(Task):  # type: ignore[misc]
             found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
             self._release(lease, found, None)
         raise Ignore(f"task {request.id} already ended {state}: a copy of it ends unrun")
+
+    def _sibling_may_have_given_up(self, request: Any, settings: LeaseSettings) -> bool:
+        """A woken copy whose back-stop copy (same waits count) would not wait again when
+        refused: it gave up and ended FAILURE if it came first. Rare (the last allowed wait),
+        so only then does a woken copy read the result backend."""
+        if _header(request, WOKEN_HEADER) is None:
+            return False
+        return int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits
 
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request

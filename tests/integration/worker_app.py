@@ -606,6 +606,14 @@ if env.get("CL_FINISHED_READ") == "off":
     LeaseTask._drop_if_finished = lambda self, request, resource, lease=None: None  # type: ignore[method-assign]
 
 
+if env.get("CL_GAVE_UP_READ") == "off":
+    # Negative control of test_handoff_gave_up.py: a woken copy never reads its task's state
+    # in the result backend, also when its back-stop sibling may have given up.
+    from celery_lease import LeaseTask
+
+    LeaseTask._sibling_may_have_given_up = lambda self, request, settings: False  # type: ignore[method-assign]
+
+
 if env.get("CL_WAIT_ATTEMPT") == "off":
     # Negative control of test_handoff_retried_waiter.py: the stores are not told the
     # attempt of a claim, so a copy of an older attempt re-arms a newer attempt's place.
@@ -706,6 +714,12 @@ def exit_once(self: Any, n: str, tag: str) -> str:
     if runs == 1:
         raise SystemExit(3)
     return f"run {runs}"
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True, busy_max_waits=2)
+def fifo_few_waits(self: Any, n: int, k: int, hold: float) -> int:
+    """fifo_hold that gives up after 2 busy waits (LeaseBusyError)."""
+    return _fifo_body(self, n, k, hold)
 
 
 @app.task
