@@ -133,6 +133,10 @@ WOKEN_HEADER = "celery_lease_woken_at"
 ROUTE_HEADER = "celery_lease_wake_route"
 #: When (wall clock, seconds since the epoch) this execution's claims began to fail.
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
+#: In a waiter's wake message: when (wall clock, whole seconds since the epoch) the refused
+#: claim listed or re-armed its place. A woken copy listed longer ago than
+#: ``store_down_max_wait`` may have a sibling copy that gave up on an unreachable store.
+LISTED_HEADER = "celery_lease_listed_at"
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
@@ -434,15 +438,11 @@ class LeaseTask(Task):  # type: ignore[misc]
             # acks_late and reject_on_worker_lost redeliver it; a lost lease: RETRY). The
             # result backend tells (back-stop copies read it before their claim).
             self._drop_if_finished(request, resource, lease)
-        elif (
-            wait is None
-            and identity is not None
-            and self._sibling_may_have_given_up(request, settings)
-        ):
-            # A woken copy listed by the copy before its last allowed wait: its back-stop
-            # sibling may have been refused since and ended FAILURE ("gave up after N busy
-            # waits"), leaving this place listed. The result backend tells; on a FAILURE the
-            # lease is given back (waking the next waiter) and this copy ends unrun.
+        elif identity is not None and self._sibling_may_have_given_up(request, settings):
+            # A woken copy whose back-stop sibling may have ended FAILURE without claiming
+            # ("gave up after N busy waits", or on an unreachable store), leaving this place
+            # listed. The result backend tells; on a final state the lease is given back
+            # (waking the next waiter) and this copy ends unrun.
             self._drop_if_finished(request, resource, lease)
         lease.margin = settings.effective_margin
         if lease.remaining() <= 0:
@@ -638,12 +638,23 @@ class LeaseTask(Task):  # type: ignore[misc]
         raise Ignore(f"task {request.id} already ended {state}: a copy of it ends unrun")
 
     def _sibling_may_have_given_up(self, request: Any, settings: LeaseSettings) -> bool:
-        """A woken copy whose back-stop copy (same waits count) would not wait again when
-        refused: it gave up and ended FAILURE if it came first. Rare (the last allowed wait),
-        so only then does a woken copy read the result backend."""
+        """A woken copy whose back-stop sibling may have ended FAILURE without claiming: it
+        would not wait again when refused (the last allowed wait: it gave up), or its place
+        was listed longer ago than ``store_down_max_wait`` (it may have given up on an
+        unreachable store). Rare, so only then does a woken copy read the result backend."""
         if _header(request, WOKEN_HEADER) is None:
             return False
-        return int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits
+        if int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits:
+            return True
+        # Its back-stop copy may have found the store unreachable until store_down_max_wait
+        # ran out (that budget starts after the listing): only a place listed longer ago.
+        listed = _header(request, LISTED_HEADER)  # (None in an older version's message)
+        try:
+            return listed is not None and _clock.wall() - float(listed) >= (
+                settings.store_down_max_wait
+            )
+        except (TypeError, ValueError):
+            return False
 
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
@@ -864,6 +875,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             headers[WAITS_HEADER] = waits + 1
         else:
             headers = {WAITS_HEADER: waits + 1}
+        headers[LISTED_HEADER] = int(_clock.wall())  # (ten digits: a constant size)
         options["headers"] = headers
         options["retries"] = request.retries or 0
         if request.ignore_result or self.ignore_result:
@@ -1419,6 +1431,7 @@ _WAKE_DROPPED = frozenset(
         STORE_DOWN_HEADER,
         WOKEN_HEADER,
         ROUTE_HEADER,
+        LISTED_HEADER,
         "x-death",
         "x-first-death-exchange",
         "x-first-death-queue",

@@ -17,7 +17,7 @@ from celery.exceptions import DuplicateTaskNameWarning, Ignore, Retry
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner, lease_task, metrics
 from celery_lease._app import get_store
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import WAITS_HEADER, WOKEN_HEADER
+from celery_lease._task import LISTED_HEADER, WAITS_HEADER, WOKEN_HEADER
 from tests.conftest import unique
 
 
@@ -216,6 +216,7 @@ class TestWakeOptions:
         task.request.headers.update({"x-death": [{"count": 1}], "custom": "kept"})
         payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
         headers = json.loads(payload)["options"]["headers"]
+        assert isinstance(headers.pop(LISTED_HEADER), int)  # when the place was listed
         assert headers == {WAITS_HEADER: 3, "custom": "kept"}
 
 
@@ -307,7 +308,7 @@ class TestMessageOverTheWholeBudget:
         key = "celery_lease_wait_payload_too_large_total"
         before = metrics.snapshot().get(key, 0)
         with caplog.at_level(logging.INFO, logger="celery_lease"):
-            big = TestWakeMessageBound._deliver(t, "x" * 400)  # about 570 bytes
+            big = TestWakeMessageBound._deliver(t, "x" * 370)  # about 590 bytes
         assert big.position is None and store.waiters(r) == []
         message = str(big)
         assert "wait list is full" not in message
