@@ -498,10 +498,19 @@ class TestSupersededAttempt:
         assert ran == [(first, 0), (first, 1)]
 
     def test_negative_control_without_the_attempt_the_copy_runs_again(self, store_app, monkeypatch):
-        """With the attempt left out of the identity's record, the stale copy runs the body."""
+        """With the attempt left out of the identity's record, and of the claims (the wait
+        list would otherwise keep the resource held for the newer attempt), the stale copy
+        runs the body."""
         import celery_lease._task as task_module
 
         monkeypatch.setattr(task_module, "identity_outcome", lambda outcome, attempt: outcome)
+        store = get_store(store_app)
+        acquire = store.acquire
+
+        def without_attempt(*args, attempt=None, **kwargs):
+            return acquire(*args, **kwargs)
+
+        monkeypatch.setattr(store, "acquire", without_attempt)
         ran, outcome = self._scenario(store_app)
         assert ran == [0, 0, 1]
         assert outcome[0] == "ran again"
