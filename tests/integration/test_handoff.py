@@ -88,12 +88,16 @@ def test_negative_control_with_the_back_off_alone_later_arrivals_overtake(
         env["CL_HANDOFF"] = "0"
     for _ in range(2):
         start_worker(env, queue=queue, pool="threads", concurrency=3)
-    n = unique("f")
     task = it_app.fifo_hold if off == "lease_handoff=False" else it_app.fifo_hold_backoff
-    results = _queue_up(task, events, queue, n)
-    order, overlaps = _order(events, n, results)
-    assert overlaps == 0
-    assert order != list(range(WAITERS + 1)), "the back-off alone happened to keep FIFO order"
+    orders = []
+    for _ in range(3):  # (a jittered back-off keeps the order by chance now and then)
+        n = unique("f")
+        order, overlaps = _order(events, n, _queue_up(task, events, queue, n))
+        assert overlaps == 0
+        orders.append(order)
+        if order != list(range(WAITERS + 1)):
+            break
+    assert orders[-1] != list(range(WAITERS + 1)), f"the back-off alone kept FIFO order: {orders}"
 
 
 def test_a_waiter_still_runs_once_when_its_releaser_dies_before_waking_it(
