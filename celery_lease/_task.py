@@ -521,15 +521,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                 True,
             )
             return self._lease_busy(busy, settings)
-        events.count("celery_lease_duplicates_total")
-        self._log(
-            "duplicate",
-            logging.INFO,
-            lease.resource,
-            lease.fence,
-            lease.owner.label,
-            identity=lease.identity,
-            attempt=request.retries or 0,
+        self._log_dropped(
+            lease,
             current_attempt=lease.identity_attempt,
             action="dropped a copy of a superseded attempt",
         )
@@ -539,11 +532,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             f"{lease.identity_attempt}"
         )
 
-    def _failed_copy(self, lease: Lease) -> Any:
-        """Drop a copy of an execution whose body already ran and failed: give the lease back
-        with the identity's record as it was found (a new message sharing the identity still
-        runs) and end without storing a result (the FAILURE of the run that happened stays)."""
-        request = self.request
+    def _log_dropped(self, lease: Lease, **fields: Any) -> None:
+        """Count and log a copy of this task that ends without running its body (``fields``
+        go after the identity and attempt: what it was a copy of, and the action)."""
         events.count("celery_lease_duplicates_total")
         self._log(
             "duplicate",
@@ -552,9 +543,16 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease.fence,
             lease.owner.label,
             identity=lease.identity,
-            attempt=request.retries or 0,
-            action="dropped a copy of a failed execution",
+            attempt=self.request.retries or 0,
+            **fields,
         )
+
+    def _failed_copy(self, lease: Lease) -> Any:
+        """Drop a copy of an execution whose body already ran and failed: give the lease back
+        with the identity's record as it was found (a new message sharing the identity still
+        runs) and end without storing a result (the FAILURE of the run that happened stays)."""
+        request = self.request
+        self._log_dropped(lease, action="dropped a copy of a failed execution")
         why = (
             f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
             f"(task id {request.id})"
