@@ -30,7 +30,6 @@ SLACK = 30.0
     ("kind", "pool", "check"),
     [
         ("redis", "threads", "on"),
-        ("sqlite", "threads", "on"),
         ("postgres", "prefork", "on"),
         ("redis", "threads", "read-off"),
         ("redis", "threads", "off"),
@@ -113,8 +112,6 @@ def test_a_task_id_sent_again_after_its_failure_runs(
     [
         ("redis", "fails", "on"),
         ("redis", "succeeds", "on"),
-        ("sqlite", "fails", "on"),
-        ("sqlite", "succeeds", "on"),
         ("redis", "fails", "off"),
     ],
 )

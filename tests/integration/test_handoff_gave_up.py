@@ -34,7 +34,6 @@ def _wait_state(result: object, state: str, timeout: float) -> None:
     [
         ("redis", "threads", "on"),
         ("postgres", "prefork", "on"),
-        ("sqlite", "threads", "on"),
         ("redis", "threads", "off"),
     ],
 )

@@ -43,9 +43,7 @@ def _run(it_app, start_worker, store_env, events, queue, kind, env_extra):
     return [(e["retries"], bool(e["woken"])) for e in runs], after
 
 
-@pytest.mark.parametrize(
-    "kind", ["redis", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-)
+@pytest.mark.parametrize("kind", ["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_a_retried_waiter_is_woken_by_the_next_release(
     it_app, start_worker, store_env, events, queue, kind
 ):
