@@ -51,6 +51,27 @@ def test_claims_releases_and_conflicts_are_scraped(tmp_path):
     assert scrape("celery_lease_hold_seconds_sum") > 0
 
 
+#: The series a claim and a release count, once each per task.
+CLAIM_KEYS = (
+    "celery_lease_claims_total",
+    "celery_lease_releases_total",
+    "celery_lease_acquire_seconds_count",
+    "celery_lease_hold_seconds_count",
+)
+
+
+def _claim_counting_task(tmp_path):
+    """A lease task of a fresh app on a SQLite store, run with apply()."""
+    app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+    app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
+
+    @lease_task(app=app, resource="inv:{n}")
+    def task(n):
+        return n
+
+    return task
+
+
 class TestCounting:
     def test_a_counter_takes_exactly_its_labels(self):
         """A name or label set that is not declared raises: names stay in one table."""
@@ -79,19 +100,7 @@ class TestSeries:
         """Per task: one claim, one claim latency, one release, one hold time."""
         from celery_lease import metrics
 
-        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
-        app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
-
-        @lease_task(app=app, resource="inv:{n}")
-        def task(n):
-            return n
-
-        keys = (
-            "celery_lease_claims_total",
-            "celery_lease_releases_total",
-            "celery_lease_acquire_seconds_count",
-            "celery_lease_hold_seconds_count",
-        )
+        task, keys = _claim_counting_task(tmp_path), CLAIM_KEYS
         before = metrics.snapshot()
         for n in range(3):
             task.apply((n,)).get()
@@ -108,19 +117,7 @@ class TestSeries:
 
         from celery_lease import metrics
 
-        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
-        app.conf.lease_store_url = f"sqlite:///{tmp_path}/leases.db"
-
-        @lease_task(app=app, resource="inv:{n}")
-        def task(n):
-            return n
-
-        keys = (
-            "celery_lease_claims_total",
-            "celery_lease_releases_total",
-            "celery_lease_acquire_seconds_count",
-            "celery_lease_hold_seconds_count",
-        )
+        task, keys = _claim_counting_task(tmp_path), CLAIM_KEYS
         task.apply((1,)).get()  # the recorders bind (if no earlier test made them)
         original = metrics.METRICS
         monkeypatch.setattr(metrics, "METRICS", Counter())
