@@ -137,6 +137,12 @@ STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: claim listed or re-armed its place. A woken copy listed longer ago than
 #: ``store_down_max_wait`` may have a sibling copy that gave up on an unreachable store.
 LISTED_HEADER = "celery_lease_listed_at"
+#: The share of ``store_down_max_wait`` by which a woken copy reads the result backend early
+#: (see ``_sibling_may_have_given_up``): the listing and the give-up are stamped on the wall
+#: clocks of the workers involved, so this tolerates clocks apart by up to a quarter of the
+#: budget (150 s by default) at the cost of one backend read for places listed longer ago
+#: than half of it.
+GAVE_UP_CLOCK_SLACK = 0.5
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
@@ -645,11 +651,13 @@ class LeaseTask(Task):  # type: ignore[misc]
         if int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits:
             return True
         # Its back-stop copy may have found the store unreachable until store_down_max_wait
-        # ran out (that budget starts after the listing): only a place listed longer ago.
+        # ran out (that budget starts no sooner than the listing, see _listed_at): only a
+        # place listed about that long ago. The two times are read on different workers'
+        # wall clocks, so the read starts GAVE_UP_CLOCK_SLACK of the budget early.
         listed = _header(request, LISTED_HEADER)  # (None in an older version's message)
         try:
             return listed is not None and _clock.wall() - float(listed) >= (
-                settings.store_down_max_wait
+                settings.store_down_max_wait * (1 - GAVE_UP_CLOCK_SLACK)
             )
         except (TypeError, ValueError):
             return False
@@ -873,7 +881,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             headers[WAITS_HEADER] = waits + 1
         else:
             headers = {WAITS_HEADER: waits + 1}
-        headers[LISTED_HEADER] = int(_clock.wall())  # (ten digits: a constant size)
+        headers[LISTED_HEADER] = int(_listed_at(request))  # (ten digits: a constant size)
         options["headers"] = headers
         options["retries"] = request.retries or 0
         if request.ignore_result or self.ignore_result:
@@ -1551,6 +1559,21 @@ if _c_make_encoder is not None:  # (CPython: always)
 
 else:  # pragma: no cover - a Python without the C accelerator
     _dump_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _listed_at(request: Any) -> float:
+    """When a waiter's place counts as listed (wall clock): now, or when this execution's
+    claims began to fail if that was earlier. A claim whose reply was lost may have listed
+    the place while the store-down budget, which started at that earlier failure, kept
+    running: the woken copy must count from there to know whether its sibling gave up."""
+    now = _clock.wall()
+    down = _header(request, STORE_DOWN_HEADER)
+    if down is None:
+        return now
+    try:
+        return min(now, float(down))
+    except (TypeError, ValueError):  # not ours
+        return now
 
 
 def _owner_label(request: Any) -> str:

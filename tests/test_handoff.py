@@ -14,10 +14,11 @@ import pytest
 from celery import Celery
 from celery.exceptions import DuplicateTaskNameWarning, Ignore, Retry
 
-from celery_lease import LeaseBusyError, LeaseConfigError, Owner, lease_task, metrics
+from celery_lease import LeaseBusyError, LeaseConfigError, Owner, _clock, lease_task, metrics
+from celery_lease import _task as _task_module
 from celery_lease._app import get_store
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import LISTED_HEADER, WAITS_HEADER, WOKEN_HEADER
+from celery_lease._task import LISTED_HEADER, STORE_DOWN_HEADER, WAITS_HEADER, WOKEN_HEADER
 from tests.conftest import unique
 
 
@@ -218,6 +219,59 @@ class TestWakeOptions:
         headers = json.loads(payload)["options"]["headers"]
         assert isinstance(headers.pop(LISTED_HEADER), int)  # when the place was listed
         assert headers == {WAITS_HEADER: 3, "custom": "kept"}
+
+
+def _wall_at(monkeypatch, wall):
+    """The library's wall clock reads ``wall()`` for the test."""
+    monkeypatch.setattr(_clock, "_REAL", [_clock._REAL[0], wall])
+
+
+class TestSiblingThatGaveUpOnTheStore:
+    """Review 5: a woken copy must read the result backend whenever its back-stop sibling
+    may have given up on an unreachable store, whatever the workers' clocks say."""
+
+    def _woken(self, task, listed):
+        task.request.headers = {WAITS_HEADER: 1, WOKEN_HEADER: 1.0, LISTED_HEADER: listed}
+        return task.request
+
+    def test_a_place_listed_during_an_outage_counts_from_the_outage(self, task, monkeypatch):
+        """A claim whose reply was lost can list the place while the budget, begun at this
+        execution's first failed claim, runs on: the place counts as listed from then.
+        Failed before: stamped with the listing's own time (1000 instead of 400)."""
+        _wall_at(monkeypatch, lambda: 1000.0)
+        task.request.headers = {WAITS_HEADER: 1, STORE_DOWN_HEADER: 400.0}
+        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        assert json.loads(payload)["options"]["headers"][LISTED_HEADER] == 400
+        task.request.headers = {WAITS_HEADER: 1, STORE_DOWN_HEADER: "not ours"}
+        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        assert json.loads(payload)["options"]["headers"][LISTED_HEADER] == 1000
+
+    @pytest.mark.parametrize("behind", [0.0, 60.0, 150.0])
+    def test_a_waking_clock_behind_by_a_quarter_of_the_budget_still_reads(
+        self, task, monkeypatch, behind
+    ):
+        """The sibling gave up ``store_down_max_wait`` (600 s) after the listing by its own
+        clock; the woken copy's clock is ``behind`` seconds behind. Failed before at 60 and
+        150 s (the woken copy saw 540 and 450 s, under the budget, and did not read)."""
+        budget = task.lease_settings.store_down_max_wait
+        listed = 10_000
+        _wall_at(monkeypatch, lambda: listed + budget - behind)
+        assert task._sibling_may_have_given_up(self._woken(task, listed), task.lease_settings)
+
+    def test_a_recent_place_does_not_read(self, task, monkeypatch):
+        """Places listed less than half the budget ago: the hand-off's path, no backend read."""
+        budget = task.lease_settings.store_down_max_wait
+        _wall_at(monkeypatch, lambda: 10_000 + budget * 0.49)
+        assert not task._sibling_may_have_given_up(self._woken(task, 10_000), task.lease_settings)
+
+    def test_negative_control_without_the_slack_a_clock_behind_skips_the_read(
+        self, task, monkeypatch
+    ):
+        """With no slack (the code before), a clock 60 s behind skips the read."""
+        budget = task.lease_settings.store_down_max_wait
+        monkeypatch.setattr(_task_module, "GAVE_UP_CLOCK_SLACK", 0.0)
+        _wall_at(monkeypatch, lambda: 10_000 + budget - 60)
+        assert not task._sibling_may_have_given_up(self._woken(task, 10_000), task.lease_settings)
 
 
 @pytest.fixture(
