@@ -599,7 +599,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             return False
         return not self.track_started
 
-    def _drop_if_finished(self, request: Any, resource: str, lease: Lease | None = None) -> None:
+    def _drop_if_finished(
+        self, request: Any, resource: str, lease: Lease | None = None, done: bool = False
+    ) -> None:
         """End this back-stop copy of a waiter (it counts its waits, no wake sent it) when the
         result backend already holds a final state for its task id: another copy of it ran
         (its woken copy) and that state is the task's. Checked before the claim, so
@@ -608,8 +610,10 @@ class LeaseTask(Task):  # type: ignore[misc]
         over that state. One backend read per back-stop copy; not on a woken copy (the
         hand-off's path) unless ``lease`` is given: it claimed and found that another copy of
         this execution ran this attempt and ended without an outcome (the lease is given back
-        with the record as found when the copy ends). Not with ``task_track_started`` (Celery
-        stored STARTED over it for this copy already) or when the task stores no result."""
+        with the record as found when the copy ends), or ``done``: its claim found the identity
+        done (this task id's other copy may have run to its end, success path included). Not
+        with ``task_track_started`` (Celery stored STARTED over it for this copy already) or
+        when the task stores no result."""
         if (
             request.is_eager
             or request.id is None
@@ -617,7 +621,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             or _ignores_result(self, request)
             or not _has_backend(self)
             or not int(_header(request, WAITS_HEADER) or 0)
-            or (lease is None and _header(request, WOKEN_HEADER) is not None)
+            or (lease is None and not done and _header(request, WOKEN_HEADER) is not None)
         ):
             return
         try:
@@ -664,6 +668,12 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def _duplicate_done(self, done: IdentityDoneError) -> Any:
         request = self.request
+        if done.resource is not None:
+            # A waiter's copy (woken, or its back-stop) finds the identity done: when this task
+            # id's other copy ran it to its end, its success path (the result, link callbacks,
+            # a chain's next step) ran too, and this copy ends unrun instead of running it again.
+            # Rare (off the hand-off's path), so one backend read here.
+            self._drop_if_finished(request, done.resource, done=True)
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         events.count("celery_lease_duplicates_total")
         self._log(

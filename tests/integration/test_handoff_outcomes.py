@@ -231,3 +231,51 @@ def test_a_copy_of_a_failed_execution_does_not_run_it_again(
         assert "already ran and failed" in str(meta["result"]), meta
         return
     assert (type(meta["result"]), str(meta["result"])) == (ValueError, "body run 1"), meta
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_a_late_woken_copy_of_a_succeeded_waiter_does_not_run_its_success_path_again(
+    it_app, start_worker, store_env, events, queue, tmp_path, check
+):
+    """The holder's worker sleeps 2.5 s between its release and the wake (failpoint
+    ``before_wake``), so the waiter's back-stop copy (a countdown of 1 s, the back-off cap)
+    claims the free resource first, runs the body and succeeds, and its ``link`` runs. The
+    woken copy comes after: its claim finds the identity done; it must end unrun, not end
+    SUCCESS again (which runs ``link`` a second time, and a chain's next step). Negative
+    control (``off``: the result backend read patched out in the worker): ``link`` runs twice.
+    Failed before: callbacks ["link", "link"] with the body run once."""
+    env = {
+        **store_env("redis"),
+        "CL_TTL": "2",
+        "CL_BACKOFF_CAP": "1.0",
+        "CELERY_LEASE_FAILPOINTS": "before_wake=sleep:2.5",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+    if check == "off":
+        env["CL_FINISHED_READ"] = "off"
+    worker = start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("ld")
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_hold.apply_async(
+        (n, 1, 0.1), queue=queue, link=it_app.note_callback.si(label="link").set(queue=queue)
+    )
+    events.wait(ev="retry", task=waiter.id)
+    assert holder.get(timeout=60) == 0
+    assert waiter.get(timeout=60) == 1
+
+    def callbacks() -> list[str]:
+        return [e["label"] for e in events.where(ev="callback")]
+
+    if check == "off":
+        wait_for(lambda: len(callbacks()) >= 2, SLACK, "the second link")
+        assert callbacks() == ["link", "link"]
+        assert len(events.where(ev="enter", res=n, k=1)) == 1
+        return
+    wait_for(callbacks, SLACK, "the run's link")
+    dropped = "dropped a copy of a finished task"
+    # (the copy decides before it ends: a second link would only be sent as it returned)
+    wait_for(lambda: dropped in worker.log(), SLACK, "the woken copy to end unrun")
+    assert callbacks() == ["link"]
+    assert len(events.where(ev="enter", res=n, k=1)) == 1
+    assert backend_meta(it_app.app, [waiter.id])[waiter.id]["status"] == "SUCCESS"

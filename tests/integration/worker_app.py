@@ -603,7 +603,7 @@ if env.get("CL_FINISHED_READ") == "off":
     # the result backend before running.
     from celery_lease import LeaseTask
 
-    LeaseTask._drop_if_finished = lambda self, request, resource, lease=None: None  # type: ignore[method-assign]
+    LeaseTask._drop_if_finished = lambda self, request, resource, lease=None, done=False: None  # type: ignore[method-assign]
 
 
 if env.get("CL_GAVE_UP_READ") == "off":
