@@ -119,6 +119,31 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield servers
 
 
+def xdist_index() -> int | None:
+    """This pytest-xdist worker's number (``gw2`` -> 2), None when the suite runs in one
+    process (``tests/run.sh`` runs it in several, see ``-n`` there)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else None
+
+
+#: Redis databases the session server has (``--databases`` in tests/tooling/servers.py).
+REDIS_DATABASES = 64
+
+
+def own_redis_db(base: int) -> int:
+    """A Redis database number for state that must not be shared between the suite's
+    processes run at once: ``base`` in a single process, else one per xdist worker above
+    the shared ones (a broker whose visibility timeout restores every unacked message in its
+    database, a count of the clients in one database)."""
+    index = xdist_index()
+    if index is None:
+        return base
+    number = 16 + 2 * index + (0 if base == 0 else 1)
+    if number >= REDIS_DATABASES:
+        raise RuntimeError(f"too many test processes for {REDIS_DATABASES} Redis databases")
+    return number
+
+
 def unique(prefix: str = "t") -> str:
     """A name no other test uses: keeps tests independent on shared servers."""
     return f"{prefix}{os.getpid():x}{next(_counter):x}{uuid.uuid4().hex[:6]}"

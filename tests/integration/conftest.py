@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import unique
+from tests.conftest import own_redis_db, unique
 from tests.integration.harness import Events, Worker
 
 pytestmark = pytest.mark.integration
@@ -24,7 +24,9 @@ def _db(url: str, db: int) -> str:
 @pytest.fixture(scope="session")
 def it_app(redis_server: Any) -> Any:
     """The integration app module, pointed at the session Redis as broker and backend."""
-    os.environ["CL_BROKER"] = _db(redis_server.url, 0)
+    # (a broker of each test process's own: a worker with a short visibility timeout restores
+    # every old unacked message in its database, other tests' running tasks included)
+    os.environ["CL_BROKER"] = _db(redis_server.url, own_redis_db(0))
     os.environ["CL_BACKEND"] = _db(redis_server.url, 2)
     os.environ["CL_COORD"] = _db(redis_server.url, 3)
     module = importlib.import_module("tests.integration.worker_app")

@@ -23,7 +23,7 @@ import pytest
 import redis
 from sqlalchemy.engine import make_url
 
-from tests.conftest import unique
+from tests.conftest import own_redis_db, unique
 from tests.integration.harness import (
     Events,
     Worker,
@@ -45,7 +45,8 @@ ROUNDS = 3  # of CONCURRENCY tasks ending together
 # test machine (its retry then waited for a push already taken).
 TOGETHER_ENV = {"CL_TTL": "10"}
 POOL_WARNING = "but the Redis broker's connection pool holds {limit} "
-STORE_DB = 9  # a Redis database no other test uses: its clients are the store's connections
+#: A Redis database no other test uses (one per test process): its clients are the store's.
+STORE_DB = own_redis_db(9)
 # One task at a time: its call's connection, the renewer's, and the health check's (redis-py's
 # own pool, for a Redis store; SQLAlchemy's, which keeps a few idle, for PostgreSQL).
 SEQUENTIAL_BOUND = 8
@@ -66,14 +67,18 @@ class StoreConnections:
             self.store_url = server.url.rsplit("/", 1)[0] + f"/{STORE_DB}"
         else:
             url = make_url(server.url)
-            self.admin = psycopg.connect(
-                host=url.host,
-                port=url.port,
-                user=url.username,
-                dbname=url.database,
-                autocommit=True,
+            login = {"host": url.host, "port": url.port, "user": url.username}
+            # A database of this test's own: its session count is this test's sessions only,
+            # whatever other tests run at the same time.
+            self.database = self.tag
+            with psycopg.connect(**login, dbname=url.database, autocommit=True) as owner:
+                owner.execute(f'CREATE DATABASE "{self.database}"')
+            self.admin = psycopg.connect(**login, dbname=self.database, autocommit=True)
+            self.store_url = (
+                f"{url.set(database=self.database).render_as_string(hide_password=False)}"
+                f"?application_name={self.tag}"
             )
-            self.store_url = f"{server.url}?application_name={self.tag}"
+            self._login = {**login, "dbname": url.database}
         self.sessions_before = self._sessions()
 
     def count(self) -> int:
@@ -132,6 +137,9 @@ class StoreConnections:
 
     def close(self) -> None:
         self.admin.close()
+        if self.kind != "redis":
+            with psycopg.connect(**self._login, autocommit=True) as owner:
+                owner.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
 
 
 @pytest.fixture

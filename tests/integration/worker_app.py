@@ -49,6 +49,10 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_default_queue=env.get("CL_QUEUE", "celery"),
     result_expires=600,
+    # A pool child that is not up in 4 s (Celery's default) is SIGKILLed and replaced: on a
+    # loaded 2-core box twenty children replaced at once took longer, and the failpoint matrix
+    # counted those kills as its own.
+    worker_proc_alive_timeout=30.0,
 )
 if env.get("CL_TRACK_STARTED"):
     app.conf.task_track_started = True

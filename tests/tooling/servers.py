@@ -233,6 +233,8 @@ class RedisServer:
             self.maxmemory_policy,
             "--protected-mode",
             "yes",
+            "--databases",
+            "64",  # (tests/conftest.py REDIS_DATABASES: test processes run at once)
             "--daemonize",
             "no",
             "--logfile",
