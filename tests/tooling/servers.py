@@ -10,8 +10,10 @@ whoever started it. Usable as a library by ``.ci/run`` too::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["PostgresServer", "RedisServer", "free_port", "make_tls_files", "wait_for"]
@@ -193,6 +196,10 @@ class RedisServer:
         self.dir = Path(directory or self._tmp or "")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        # A port picked here may be taken by another process (another test process picking at
+        # the same moment) before the server binds it: the first start then picks again.
+        self._pick_port: Callable[[], int] | None = None if port else free_port
+        self._log_from = 0  # (where this start's lines begin in redis.log)
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.maxmemory_policy = maxmemory_policy
@@ -216,6 +223,26 @@ class RedisServer:
         )
 
     def start(self) -> RedisServer:
+        for attempt in range(5):
+            log = self.dir / "redis.log"
+            self._log_from = log.stat().st_size if log.exists() else 0
+            self.proc = subprocess.Popen(
+                self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                wait_for(self._ready, 20, f"redis-server on port {self.port}")
+            except _PortTaken:
+                _stop_popen(self.proc, signal.SIGKILL)
+                self.proc = None
+                if self._pick_port is None or attempt == 4:
+                    raise
+                self.port = self._pick_port()
+                continue
+            self._pick_port = None  # (a restart keeps the port)
+            return self
+        raise AssertionError("unreachable")
+
+    def _args(self) -> list[str]:
         args = [
             self.binary or "redis-server",
             "--bind",
@@ -242,10 +269,7 @@ class RedisServer:
         ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
-        args += self.extra_args
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self._ready, 20, f"redis-server on port {self.port}")
-        return self
+        return [*args, *self.extra_args]
 
     def _port_args(self) -> list[str]:
         if self.tls is None:
@@ -266,8 +290,14 @@ class RedisServer:
         ]
 
     def _ready(self) -> bool:
+        """Whether this server answers on its port: its own process, not another one that
+        holds the port (then ``_PortTaken``; a server that exited: ``RuntimeError``)."""
         if self.proc is not None and self.proc.poll() is not None:
-            log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+            with open(self.dir / "redis.log", "rb") as file:
+                file.seek(self._log_from)
+                log = file.read().decode(errors="replace")[-2000:]
+            if "Address already in use" in log:
+                raise _PortTaken(self.port)
             raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
         try:
             with contextlib.ExitStack() as stack:
@@ -279,10 +309,21 @@ class RedisServer:
                     sock = stack.enter_context(
                         context.wrap_socket(sock, server_hostname="127.0.0.1")
                     )
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # (up, wants a password)
+                password = _option(self.extra_args, "--requirepass")
+                if password is not None:
+                    sock.sendall(f"AUTH {password}\r\n".encode())
+                    if not _read_reply(sock).startswith(b"+OK"):
+                        return False
+                sock.sendall(b"INFO server\r\n")
+                reply = _read_reply(sock)
         except OSError:
             return False
+        found = re.search(rb"process_id:(\d+)", reply)
+        if found is None:
+            return False  # (loading, or not a complete reply yet)
+        if self.proc is not None and int(found.group(1)) != self.proc.pid:
+            raise _PortTaken(self.port)
+        return True
 
     def kill(self) -> None:
         """SIGKILL the server (a crash: nothing is flushed beyond what AOF already wrote)."""
@@ -317,6 +358,33 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _PortTaken(RuntimeError):
+    """Another process answers on the port a server was started on."""
+
+
+def _option(args: tuple[str, ...], name: str) -> str | None:
+    """The value after ``name`` in a server's extra arguments, if it is there."""
+    for flag, value in itertools.pairwise(args):
+        if flag == name:
+            return value
+    return None
+
+
+def _read_reply(sock: socket.socket) -> bytes:
+    """One RESP reply: a status or error line, or a bulk string read to its end."""
+    data = sock.recv(65536)
+    if data.startswith(b"$"):
+        head, _, body = data.partition(b"\r\n")
+        size = int(head[1:])
+        while size >= 0 and len(body) < size + 2:
+            more = sock.recv(65536)
+            if not more:
+                break
+            body += more
+        return body
+    return data
 
 
 class PostgresServer:
@@ -477,6 +545,8 @@ class RedisClusterServers:
             )
             for i in range(masters)
         ]
+        for node in self.nodes:
+            node._pick_port = free_cluster_port  # (its bus port must be free too)
 
     @property
     def url(self) -> str:
