@@ -405,6 +405,7 @@ class PostgresServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.data = self.dir / "data"
         self.port = port or free_port()
+        self._pick_port = port is None  # (see RedisServer: picked again if taken at start)
         self._as_postgres = os.geteuid() == 0
         if self._as_postgres:
             pw = pwd.getpwnam("postgres")
@@ -445,6 +446,24 @@ class PostgresServer:
 
     def start(self) -> PostgresServer:
         self.init()
+        for attempt in range(5):
+            try:
+                self._start()
+            except RuntimeError:
+                log = self.dir / "postgres.log"
+                tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+                # (what log_min_messages=fatal keeps of a port another process holds)
+                taken = "could not create any TCP/IP sockets" in tail
+                if not (taken and self._pick_port) or attempt == 4:
+                    raise
+                log.unlink()
+                self.port = free_port()
+                continue
+            self._pick_port = False  # (a restart keeps the port)
+            return self
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
             f"-c unix_socket_directories={self.dir} -c max_connections=300 "
@@ -467,7 +486,6 @@ class PostgresServer:
             )
         )
         wait_for(lambda: _port_open(self.port), 30, f"PostgreSQL on port {self.port}")
-        return self
 
     @property
     def pid(self) -> int | None:

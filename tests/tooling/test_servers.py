@@ -60,3 +60,25 @@ def test_a_password_protected_server_is_recognised_as_its_own(tmp_path):
         assert client.info("server")["process_id"] == server.proc.pid  # type: ignore[union-attr]
     finally:
         server.close()
+
+
+@pytest.mark.postgres
+def test_a_postgresql_port_taken_before_it_binds_is_picked_again(tmp_path):
+    """The same race for the PostgreSQL the tooling starts. Failed before: pg_ctl failed."""
+    from tests.tooling.servers import PostgresServer
+
+    neighbour = _server(tmp_path, "neighbour").start()
+    try:
+        try:
+            server = PostgresServer()
+        except FileNotFoundError as exc:
+            missing(str(exc))
+        server.port = neighbour.port
+        with server:
+            assert server.port != neighbour.port
+            import psycopg
+
+            with psycopg.connect(server.dsn) as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        neighbour.close()
