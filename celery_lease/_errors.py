@@ -238,7 +238,9 @@ class IdentityDoneError(LeaseError):
 
     Raised by a store's ``acquire(..., identity=...)``; the task layer turns it into a SUCCESS
     with the recorded result. Attributes: ``resource``, ``identity``, ``fence`` (of the run that
-    completed it) and ``result`` (its return value as JSON text, or None).
+    completed it), ``result`` (its return value as JSON text, or None) and ``owner_label`` (the
+    label of the owner that completed it, ``host:pid:task-id`` for a task; None from a store
+    that does not say).
     """
 
     def __init__(
@@ -248,16 +250,23 @@ class IdentityDoneError(LeaseError):
         identity: str | None = None,
         fence: int | None = None,
         result: str | None = None,
+        owner_label: str | None = None,
     ) -> None:
-        super().__init__(message, resource, identity, fence, result)
+        super().__init__(message, resource, identity, fence, result, owner_label)
         self.resource = resource
         self.identity = identity
         self.fence = fence
         self.result = result
+        self.owner_label = owner_label
 
     @classmethod
     def completed(
-        cls, resource: str, identity: str, fence: int | None, result: str | None
+        cls,
+        resource: str,
+        identity: str,
+        fence: int | None,
+        result: str | None,
+        owner_label: str | None = None,
     ) -> IdentityDoneError:
         return cls(
             f"identity {identity!r} on {resource!r} already completed (fence {fence}); "
@@ -266,6 +275,7 @@ class IdentityDoneError(LeaseError):
             identity,
             fence,
             result,
+            owner_label,
         )
 
 

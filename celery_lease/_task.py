@@ -37,6 +37,7 @@ from celery import Task, shared_task, states
 from celery._state import _task_stack
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import _clock, metrics
@@ -143,6 +144,13 @@ LISTED_HEADER = "celery_lease_listed_at"
 #: budget (150 s by default) at the cost of one backend read for places listed longer ago
 #: than half of it.
 GAVE_UP_CLOCK_SLACK = 0.5
+#: How many times this copy of a waiter looked again at its task's state after its claim found
+#: the identity done and the state was not final yet.
+DONE_CHECKS_HEADER = "celery_lease_done_checks"
+#: The countdowns of those looks: the copy that ran may be between its release and Celery
+#: storing its result (a pause there, a slow backend); after the last, the copy ends with the
+#: recorded result.
+DONE_RECHECKS = (1.0, 2.0, 4.0)
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
@@ -611,25 +619,38 @@ class LeaseTask(Task):  # type: ignore[misc]
         hand-off's path) unless ``lease`` is given: it claimed and found that another copy of
         this execution ran this attempt and ended without an outcome (the lease is given back
         with the record as found when the copy ends), or ``done``: its claim found the identity
-        done (this task id's other copy may have run to its end, success path included). Not
-        with ``task_track_started`` (Celery stored STARTED over it for this copy already) or
-        when the task stores no result."""
+        done, or its last allowed wait was refused (this task id's other copy may have run to
+        its end, or given up). Not read where ``_task_state`` says."""
+        state = self._task_state(request, woken=lease is not None or done)
+        if state is not None and state in states.READY_STATES:
+            self._drop_finished(request, resource, state, lease)
+
+    def _task_state(self, request: Any, woken: bool = False) -> str | None:
+        """This waiter's copy's task state in the result backend; None when not read: not a
+        waiter's copy, a woken copy (unless ``woken``), with ``task_track_started`` (Celery
+        stored STARTED over it for this copy already), when the task stores no result, with
+        no result backend or one a worker cannot read another task's state from (``rpc://``),
+        or when the read fails."""
         if (
             request.is_eager
             or request.id is None
             or self.track_started
             or _ignores_result(self, request)
-            or not _has_backend(self)
+            or not _backend_readable(self)
             or not int(_header(request, WAITS_HEADER) or 0)
-            or (lease is None and not done and _header(request, WOKEN_HEADER) is not None)
+            or (not woken and _header(request, WOKEN_HEADER) is not None)
         ):
-            return
+            return None
         try:
             state = self.backend.get_task_meta(request.id, cache=False).get("status")
-        except Exception:  # noqa: BLE001 - no backend (DisabledBackend) or it failed: claim
-            return
-        if state not in states.READY_STATES:
-            return
+        except Exception:  # noqa: BLE001 - the backend failed: decide without it
+            return None
+        return None if state is None else str(state)
+
+    def _drop_finished(
+        self, request: Any, resource: str, state: str, lease: Lease | None = None
+    ) -> None:
+        """End this copy unrun: its task id already ended ``state`` (another copy ran it)."""
         events.count("celery_lease_duplicates_total")
         self._log(
             "duplicate",
@@ -673,7 +694,26 @@ class LeaseTask(Task):  # type: ignore[misc]
             # id's other copy ran it to its end, its success path (the result, link callbacks,
             # a chain's next step) ran too, and this copy ends unrun instead of running it again.
             # Rare (off the hand-off's path), so one backend read here.
-            self._drop_if_finished(request, done.resource, done=True)
+            state = self._task_state(request, woken=True)
+            if state is not None and state in states.READY_STATES:
+                self._drop_finished(request, done.resource, state)
+            checks = int(_header(request, DONE_CHECKS_HEADER) or 0)
+            if (
+                state is not None
+                and checks < len(DONE_RECHECKS)
+                and _names_task(done.owner_label, request.id)
+            ):
+                # Not final yet, and this task id's other copy completed the identity: it may
+                # be between its release and Celery storing its result (its link callbacks and
+                # chain step go first). Look again later, holding no slot; past the last look
+                # its worker died in between: end with the result. (Another task id sharing
+                # the identity completed it: end with its result now.)
+                return self._requeue(
+                    done,
+                    DONE_RECHECKS[checks],
+                    {DONE_CHECKS_HEADER: checks + 1, WOKEN_HEADER: None},
+                    store=False,
+                )
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         events.count("celery_lease_duplicates_total")
         self._log(
@@ -990,6 +1030,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._wake(payload, busy.resource or "?", "claim", busy.fence)
         waits = int(_header(request, WAITS_HEADER) or 0)
         if waits >= settings.busy_max_waits and not duplicate:
+            # A late copy of a waiter that gave up already (its other copy was refused at its
+            # last allowed wait first): the task's FAILURE is stored and its errbacks ran.
+            self._drop_if_finished(request, busy.resource or "?", done=True)
             raise LeaseBusyError(
                 f"{busy} (gave up after {waits} busy waits; raise lease_busy_max_waits to wait "
                 "longer)",
@@ -1448,6 +1491,7 @@ _WAKE_DROPPED = frozenset(
         WOKEN_HEADER,
         ROUTE_HEADER,
         LISTED_HEADER,
+        DONE_CHECKS_HEADER,
         "x-death",
         "x-first-death-exchange",
         "x-first-death-queue",
@@ -1572,18 +1616,19 @@ else:  # pragma: no cover - a Python without the C accelerator
 
 
 def _listed_at(request: Any) -> float:
-    """When a waiter's place counts as listed (wall clock): now, or when this execution's
-    claims began to fail if that was earlier. A claim whose reply was lost may have listed
-    the place while the store-down budget, which started at that earlier failure, kept
-    running: the woken copy must count from there to know whether its sibling gave up."""
-    now = _clock.wall()
-    down = _header(request, STORE_DOWN_HEADER)
-    if down is None:
-        return now
-    try:
-        return min(now, float(down))
-    except (TypeError, ValueError):  # not ours
-        return now
+    """When a waiter's place counts as listed (wall clock): now, or earlier when this
+    execution's place was listed before (a copy woken from it, refused again, re-arms it:
+    its back-stop sibling may have given up since the first listing), or its claims began to
+    fail earlier (a claim whose reply was lost may have listed the place while the store-down
+    budget, which started at that earlier failure, kept running). The woken copy counts
+    from there to know whether its sibling may have given up."""
+    listed = _clock.wall()
+    for name in (LISTED_HEADER, STORE_DOWN_HEADER):
+        value = _header(request, name)
+        if value is not None:
+            with contextlib.suppress(TypeError, ValueError):  # (not ours: ignored)
+                listed = min(listed, float(value))
+    return listed
 
 
 def _owner_label(request: Any) -> str:
@@ -1598,6 +1643,20 @@ def _ignores_result(task: Any, request: Any) -> bool:
 def _has_backend(task: Any) -> bool:
     """Whether the task's app has a result backend (not Celery's DisabledBackend)."""
     return not isinstance(task.backend, DisabledBackend)
+
+
+def _backend_readable(task: Any) -> bool:
+    """Whether a worker can read another task's state from the task's result backend: not
+    without one, nor from ``rpc://`` (results travel to their caller's reply queue)."""
+    return not isinstance(task.backend, (DisabledBackend, RPCBackend))
+
+
+def _names_task(label: str | None, task_id: str | None) -> bool:
+    """Whether an owner label (``host:pid:<task id>``, see _owner_label) names this task id."""
+    if label is None or task_id is None:
+        return False
+    parts = label.split(":", 2)  # (a task id may hold colons, a host name not)
+    return len(parts) == 3 and parts[1].isdigit() and parts[2] == task_id
 
 
 def _copy_of_run(lease: Lease, request: Any) -> bool:
@@ -1623,11 +1682,7 @@ def _copy_of_failed(lease: Lease, request: Any) -> bool:
     retries = request.retries or 0
     if task_id is None or retries > lease.identity_attempt:
         return False
-    label = lease.identity_owner_label or lease.previous_owner_label
-    if label is None:
-        return False
-    parts = label.split(":", 2)  # host:pid:<task id> (a task id may hold colons, a host not)
-    if len(parts) != 3 or not parts[1].isdigit() or parts[2] != task_id:
+    if not _names_task(lease.identity_owner_label or lease.previous_owner_label, task_id):
         return False
     if retries < lease.identity_attempt:
         return True

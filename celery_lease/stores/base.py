@@ -259,7 +259,8 @@ class LeaseStore(Protocol):
         Raises:
             LeaseBusyError: another owner's lease is live; names holder, fence and expiry, and
                 sets ``duplicate`` when that holder runs this same identity.
-            IdentityDoneError: the identity already completed; carries its result.
+            IdentityDoneError: the identity already completed; carries its result and the
+                label of the owner that completed it (``owner_label``).
             LeaseConfigError: bad resource name or ttl.
             LeaseStoreError: the store failed; the claim may or may not have happened.
         """

@@ -214,7 +214,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             now = self._now_us()
             ident = self._alive(self._ids, (resource, identity or ""), now, 4)
             if identity is not None and ident is not None and ident[0] == "done":
-                raise IdentityDoneError.completed(resource, identity, ident[1], ident[3])
+                raise IdentityDoneError.completed(resource, identity, ident[1], ident[3], ident[2])
             current = self._leases.get(resource)
             waits = self._wait_list(resource, now)
             if current is not None and current.expires_us > now:

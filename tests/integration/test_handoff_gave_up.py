@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import unique
 from tests.integration.harness import backend_meta
+from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
 
@@ -135,3 +136,126 @@ def test_a_waiter_that_gave_up_on_an_unreachable_store_stays_failed(
         return
     assert len(runs) == 0
     assert final["status"] == "FAILURE" and callbacks == ["err"]
+
+
+@pytest.mark.parametrize("listed", ["first", "now"])
+def test_a_place_re_armed_by_a_late_woken_copy_keeps_its_first_listing(
+    it_app, start_worker, store_env, events, queue, coord, listed
+):
+    """Review 1: W on worker B (the store through a proxy) is listed behind holder H, then the
+    proxy drops everything until W's back-stop copy gives up (FAILURE, store_down_max_wait
+    4 s). Healed; B is busy with three plain tasks when H releases, so W's woken copy K waits
+    past the 2 s grace and X takes the free resource. K is refused and re-arms W's place. X's
+    release wakes it: that copy must read W's FAILURE (the place counts as listed from its
+    first listing, more than half the budget ago) and end unrun. Negative control (``now``:
+    the re-armed place counts as listed when re-armed, as before): the body runs, FAILURE
+    becomes SUCCESS. Failed before: body ran once, callbacks ["err", "link"]."""
+    from tests.tooling.proxy import TcpProxy
+
+    # A 20 s back-stop countdown keeps W's place listed (wait_ttl = 20 + ttl + 10 s) until
+    # after its back-stop copy gave up on the store.
+    env = {
+        **store_env("redis"),
+        "CL_TTL": "2",
+        "CL_BACKOFF_BASE": "20",
+        "CL_BACKOFF_CAP": "20",
+        "CL_STORE_DOWN_MAX_WAIT": "4",
+    }
+    if listed == "now":
+        env["CL_LISTED_AT"] = "now"
+    port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        env_b = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"])}
+        qa, qb = queue + "a", queue + "b"
+        start_worker(env, queue=qa, pool="threads", concurrency=3)
+        worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
+        n = unique("ra")
+        go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
+        it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+        events.wait(ev="enter", res=n, k=0)
+        waiter = it_app.fifo_hold.apply_async(
+            (n, 1, 0.1),
+            queue=qb,
+            link=it_app.note_callback.si(label="link").set(queue=qa),
+            link_error=_callback("err", it_app, qa),
+        )
+        events.wait(ev="retry", task=waiter.id)  # refused and listed
+        proxy.blackhole(drop=True)
+        proxy.reset_all()
+        _wait_state(waiter, "FAILURE", 60)
+        gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
+        proxy.heal()
+        for i in range(3):  # B's three threads busy: the wake waits in qb.lease-wake
+            it_app.plain_step.apply_async((n, 100 + i, 6.0), queue=qb)
+        wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
+        coord.rpush(go_h, 1)  # H releases and wakes W's place
+        released = events.wait(ev="exit", res=n, k=0)
+        # X claims once the grace has passed (nothing is held for W then)
+        wait_for(lambda: time.time() > released["t"] + 3.0, 10, "the grace to pass")
+        it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
+        events.wait(ev="enter", res=n, k=2, timeout=30)
+        # K comes once the blockers end: refused (X holds), it re-arms W's place
+        events.wait(ev="requeued", task=waiter.id, timeout=40)
+        coord.rpush(go_x, 1)  # X releases: wakes the re-armed place
+        events.wait(ev="exit", res=n, k=2)
+        wait_for(
+            lambda: (
+                events.where(ev="callback", label="link")
+                or "dropped a copy of a finished task" in worker_b.log()
+            ),
+            30,
+            "the copy woken from the re-armed place to end",
+        )
+    final = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    runs = events.where(ev="enter", res=n, k=1)
+    callbacks = sorted(e["label"] for e in events.where(ev="callback"))
+    print(f"[{listed}] body runs {len(runs)}; callbacks {callbacks}; final {final['status']}")
+    assert gave_up["status"] == "FAILURE"
+    if listed == "now":
+        assert len(runs) == 1 and final["status"] == "SUCCESS"
+        return
+    assert len(runs) == 0
+    assert final["status"] == "FAILURE" and callbacks == ["err"]
+
+
+def test_a_late_refused_copy_of_a_waiter_that_gave_up_does_not_fail_it_again(
+    it_app, start_worker, store_env, events, queue, coord
+):
+    """Review 1: W (busy_max_waits=2) gives up (FAILURE, link_error). Its place's woken copy
+    comes late (B busy past the grace), X took the resource meanwhile, and the copy is refused
+    at its last allowed wait: it must end unrun (W's FAILURE is stored, its errback ran), not
+    give up a second time. Failed before: link_error ran twice (["err", "err"])."""
+    env = {**store_env("redis"), "CL_TTL": "1", "CL_BACKOFF_CAP": "1.0"}
+    qa, qb = queue + "a", queue + "b"
+    start_worker(env, queue=qa, pool="threads", concurrency=3)
+    worker_b = start_worker(env, queue=qb, pool="threads", concurrency=3)
+    n = unique("gb")
+    go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
+    it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_few_waits.apply_async(
+        (n, 1, 0.1),
+        queue=qb,
+        link=it_app.note_callback.si(label="link").set(queue=qa),
+        link_error=_callback("err", it_app, qa),
+    )
+    _wait_state(waiter, "FAILURE", 30)
+    for i in range(3):
+        it_app.plain_step.apply_async((n, 100 + i, 6.0), queue=qb)
+    wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
+    coord.rpush(go_h, 1)
+    released = events.wait(ev="exit", res=n, k=0)
+    wait_for(lambda: time.time() > released["t"] + 3.0, 10, "the grace to pass")
+    it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
+    events.wait(ev="enter", res=n, k=2, timeout=30)
+    dropped = "dropped a copy of a finished task"
+    wait_for(
+        lambda: dropped in worker_b.log() or len(events.where(ev="callback")) >= 2,
+        40,
+        "the late woken copy to end",
+    )
+    coord.rpush(go_x, 1)
+    callbacks = sorted(e["label"] for e in events.where(ev="callback"))
+    assert callbacks == ["err"], callbacks
+    assert dropped in worker_b.log()
+    assert not events.where(ev="enter", res=n, k=1)

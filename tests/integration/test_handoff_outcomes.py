@@ -233,22 +233,29 @@ def test_a_copy_of_a_failed_execution_does_not_run_it_again(
     assert (type(meta["result"]), str(meta["result"])) == (ValueError, "body run 1"), meta
 
 
-@pytest.mark.parametrize("check", ["on", "off"])
+@pytest.mark.parametrize(("check", "pause"), [("on", 0), ("on", 3), ("off", 0)])
 def test_a_late_woken_copy_of_a_succeeded_waiter_does_not_run_its_success_path_again(
-    it_app, start_worker, store_env, events, queue, tmp_path, check
+    it_app, start_worker, store_env, events, queue, tmp_path, check, pause
 ):
     """The holder's worker sleeps 2.5 s between its release and the wake (failpoint
     ``before_wake``), so the waiter's back-stop copy (a countdown of 1 s, the back-off cap)
     claims the free resource first, runs the body and succeeds, and its ``link`` runs. The
     woken copy comes after: its claim finds the identity done; it must end unrun, not end
-    SUCCESS again (which runs ``link`` a second time, and a chain's next step). Negative
-    control (``off``: the result backend read patched out in the worker): ``link`` runs twice.
-    Failed before: callbacks ["link", "link"] with the body run once."""
+    SUCCESS again (which runs ``link`` a second time, and a chain's next step). ``pause``:
+    the copy that ran also sleeps 3 s between its release and Celery storing its SUCCESS
+    (failpoint ``after_ledger_before_ack``; Celery sends link before it stores), so the woken
+    copy reads RETRY and must look again later (review 1). Negative control (``off``: the
+    result backend read patched out in the worker): ``link`` runs twice.
+    Failed before: callbacks ["link", "link"] with the body run once (with the pause, also
+    after the first fix)."""
+    failpoints = "before_wake=sleep:2.5"
+    if pause:
+        failpoints += f",after_ledger_before_ack=sleep:{pause}"
     env = {
         **store_env("redis"),
         "CL_TTL": "2",
         "CL_BACKOFF_CAP": "1.0",
-        "CELERY_LEASE_FAILPOINTS": "before_wake=sleep:2.5",
+        "CELERY_LEASE_FAILPOINTS": failpoints,
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
     }
     if check == "off":

@@ -607,7 +607,21 @@ if env.get("CL_FINISHED_READ") == "off":
     # the result backend before running.
     from celery_lease import LeaseTask
 
-    LeaseTask._drop_if_finished = lambda self, request, resource, lease=None, done=False: None  # type: ignore[method-assign]
+    LeaseTask._task_state = lambda self, request, woken=False: None  # type: ignore[method-assign]
+
+
+if env.get("CL_LISTED_AT") == "now":
+    # Negative control of test_handoff_gave_up.py: a re-armed place counts as listed now,
+    # not from its first listing (the stamp before review 1).
+    import celery_lease._task as _listed_module
+    from celery_lease import _clock
+
+    def _listed_now(request: Any) -> float:
+        down = _listed_module._header(request, _listed_module.STORE_DOWN_HEADER)
+        now = _clock.wall()
+        return now if down is None else min(now, float(down))
+
+    _listed_module._listed_at = _listed_now
 
 
 if env.get("CL_GAVE_UP_READ") == "off":
@@ -724,6 +738,18 @@ def exit_once(self: Any, n: str, tag: str) -> str:
 def fifo_few_waits(self: Any, n: int, k: int, hold: float) -> int:
     """fifo_hold that gives up after 2 busy waits (LeaseBusyError)."""
     return _fifo_body(self, n, k, hold)
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True)
+def fifo_gate(self: Any, n: str, k: int, go: str, timeout: float = 120.0) -> int:
+    """Holds fifo-<n> until the test pushes to the coordination list ``go``."""
+    report("enter", res=n, k=k, task=self.request.id)
+    deadline = time.monotonic() + timeout
+    while not coord().blpop([go], timeout=1):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody pushed {go}")
+    report("exit", res=n, k=k, task=self.request.id)
+    return k
 
 
 @app.task

@@ -43,6 +43,8 @@ class TestIdentity:
         err = caught.value
         assert (err.identity, err.fence) == ("job-1", lease.fence)
         assert json.loads(err.result) == {"sent": 17}
+        # who completed it: a task's other copy tells its own run from another task id's
+        assert err.owner_label == lease.owner.label
         assert store.get(names + "r") is None  # no lease was taken
         other = claim(store, names, identity="job-2")  # another identity runs normally
         assert other.fence > lease.fence

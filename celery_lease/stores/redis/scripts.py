@@ -205,7 +205,8 @@ ACQUIRE = (
 --         (duplicate 1 when the holder runs this same identity, else 0; position in the wait
 --         list, 0 when not queued; the payload of a head waiter to wake, when the resource is
 --         free but reserved for a head nobody woke within the grace window)
---      or {2, fence, result} when the identity is already done (nothing claimed)
+--      or {2, fence, result, owner label} when the identity is already done (nothing
+--         claimed)
 """
     + _NOW
     + _PARSE
@@ -225,7 +226,7 @@ if ARGV[5] ~= '' then
     local result
     local itoken
     ist, ifence, itoken, ilabel, result = parse_ident(ident)
-    if ist == 'done' then return {2, tonumber(ifence), result} end
+    if ist == 'done' then return {2, tonumber(ifence), result, ilabel} end
   end
 end
 local got = redis.call('HMGET', KEYS[3], ARGV[1], '!epoch')

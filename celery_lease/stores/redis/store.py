@@ -265,7 +265,8 @@ class RedisLeaseStore(BaseLeaseStore):
         if reply[0] == 2:
             assert identity is not None
             result = _text(reply[2]) if reply[2] else None
-            raise IdentityDoneError.completed(resource, identity, int(reply[1]), result)
+            label = _text(reply[3]) if len(reply) > 3 and reply[3] else None
+            raise IdentityDoneError.completed(resource, identity, int(reply[1]), result, label)
         if reply[0] == 0:
             _, label, fence, expires, now, epoch, *more = reply
             more += [0, 0, None][len(more) :]

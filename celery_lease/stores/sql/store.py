@@ -284,7 +284,7 @@ class SQLLeaseStore(BaseLeaseStore):
              h_fence, h_acquired, h_expires, i_state, i_fence, i_label, i_result, ckpt,
              now, h_prev_label, h_prev_fence) = row[:20]  # ClaimRow fields, in order  # fmt: skip
             if identity is not None and not claimed and i_state == "done":
-                raise IdentityDoneError.completed(resource, identity, i_fence, i_result)
+                raise IdentityDoneError.completed(resource, identity, i_fence, i_result, i_label)
             if claimed and not marked:
                 # The identity was completed by a run that committed after our snapshot: give
                 # the lease back and report the duplicate.
@@ -366,6 +366,7 @@ class SQLLeaseStore(BaseLeaseStore):
             identity,
             None if info is None else info.fence,
             None if info is None else info.result,
+            None if info is None else info.owner_label,
         )
 
     def _claim(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
