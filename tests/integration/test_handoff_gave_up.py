@@ -10,6 +10,7 @@ woken copy must not run the body: the task's FAILURE stays and only its errback 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,27 @@ def _wait_state(result: object, state: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and result.state != state:  # type: ignore[attr-defined]
         time.sleep(0.1)
+
+
+def _give_up_on_the_store(
+    it_app: Any, events: Any, proxy: Any, n: str, qa: str, qb: str
+) -> tuple[Any, dict[str, Any]]:
+    """Send waiter W to ``qb`` (whose worker reaches the store through ``proxy``) with a link
+    and an errback on ``qa``; once it is listed, drop everything at the proxy until W's
+    back-stop copy gives up on the store (FAILURE), then heal. W and its FAILURE record."""
+    waiter = it_app.fifo_hold.apply_async(
+        (n, 1, 0.1),
+        queue=qb,
+        link=it_app.note_callback.si(label="link").set(queue=qa),
+        link_error=_callback("err", it_app, qa),
+    )
+    events.wait(ev="retry", task=waiter.id)  # refused and listed
+    proxy.blackhole(drop=True)
+    proxy.reset_all()
+    _wait_state(waiter, "FAILURE", 60)
+    gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    proxy.heal()
+    return waiter, gave_up
 
 
 @pytest.mark.parametrize(
@@ -106,18 +128,7 @@ def test_a_waiter_that_gave_up_on_an_unreachable_store_stays_failed(
         n = unique("sd")
         holder = it_app.fifo_hold.apply_async((n, 0, 9.0), queue=qa)
         events.wait(ev="enter", res=n, k=0)
-        waiter = it_app.fifo_hold.apply_async(
-            (n, 1, 0.1),
-            queue=qb,
-            link=it_app.note_callback.si(label="link").set(queue=qa),
-            link_error=_callback("err", it_app, qa),
-        )
-        events.wait(ev="retry", task=waiter.id)  # refused and listed
-        proxy.blackhole(drop=True)
-        proxy.reset_all()
-        _wait_state(waiter, "FAILURE", 30)
-        gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
-        proxy.heal()
+        waiter, gave_up = _give_up_on_the_store(it_app, events, proxy, n, qa, qb)
         assert holder.get(timeout=30) == 0
         nxt = it_app.fifo_hold.apply_async((n, 2, 0.1), queue=qa)
         assert nxt.get(timeout=30) == 2  # the resource was handed on
@@ -173,18 +184,7 @@ def test_a_place_re_armed_by_a_late_woken_copy_keeps_its_first_listing(
         go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
         it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
         events.wait(ev="enter", res=n, k=0)
-        waiter = it_app.fifo_hold.apply_async(
-            (n, 1, 0.1),
-            queue=qb,
-            link=it_app.note_callback.si(label="link").set(queue=qa),
-            link_error=_callback("err", it_app, qa),
-        )
-        events.wait(ev="retry", task=waiter.id)  # refused and listed
-        proxy.blackhole(drop=True)
-        proxy.reset_all()
-        _wait_state(waiter, "FAILURE", 60)
-        gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
-        proxy.heal()
+        waiter, gave_up = _give_up_on_the_store(it_app, events, proxy, n, qa, qb)
         for i in range(3):  # B's three threads busy: the wake waits in qb.lease-wake
             it_app.plain_step.apply_async((n, 100 + i, 6.0), queue=qb)
         wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
