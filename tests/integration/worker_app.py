@@ -73,11 +73,17 @@ if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
     )
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
+#: How long a worker holds the Redis transport's ``unacked_mutex`` (kombu: 300 s). A worker
+#: SIGKILLed while restoring unacked messages leaves the key behind; with kombu's default no
+#: other worker of the broker database restores anything for five minutes.
+UNACKED_MUTEX_EXPIRE = 5
+app.conf.broker_transport_options = {"unacked_mutex_expire": UNACKED_MUTEX_EXPIRE}
 if env.get("CL_VISIBILITY"):
     # A short visibility timeout makes the Redis transport redeliver a message whose worker
     # has not acked it within that time (a long task, or a worker that died), checked every
     # second rather than every 100 s.
     app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
         "visibility_timeout": float(env["CL_VISIBILITY"]),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
