@@ -367,12 +367,15 @@ class LeaseTask(Task):  # type: ignore[misc]
         try:
             store = compiled.current_store(task=self)
         except LeaseStoreError as exc:  # the store could not be made: its server is unreachable
-            return self._store_down(exc, settings)
+            return self._store_down(exc, settings, resource)
         owner = Owner.fresh(_owner_label(request))
         renewer = get_renewer()
         renewer.prepare(store)  # the renewal connection opens while the claim runs
         wait, too_large = None, 0
-        if settings.handoff and identity is not None and settings.on_busy == "retry" and not direct:
+        waiting = (
+            settings.handoff and identity is not None and settings.on_busy == "retry" and not direct
+        )
+        if waiting:
             wait = self._wake_payload(request, args, kwargs, settings)
             # (ASCII-only JSON: its length is its size in bytes)
             if wait is not None and len(wait[0]) > settings.handoff_max_payload:
@@ -382,7 +385,11 @@ class LeaseTask(Task):  # type: ignore[misc]
                 size = _bound_size(wait[0], request)
                 if size > settings.handoff_max_payload:
                     too_large, wait = size, None  # not listed: waits with the back-off
-        if wait is not None:
+        if wait is not None or (
+            waiting and int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits
+        ):
+            # (its last allowed wait sends no place to wake, but a copy of this waiter that
+            # listed one earlier may have been woken, refused and given up already)
             self._drop_if_finished(request, resource)
         claim_started = _clock.monotonic()
         try:
@@ -421,7 +428,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
-            return self._store_down(exc, settings)
+            return self._store_down(exc, settings, resource)
         claim_seconds = _clock.monotonic() - claim_started
         if wait is not None:
             woken = _header(request, WOKEN_HEADER)
@@ -470,6 +477,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                     "margin to come back; the store is slow or unreachable"
                 ),
                 settings,
+                resource,
             )
         hook = getattr(self, "reconcile_effect", None)
         if hook is not None:
@@ -1134,17 +1142,30 @@ class LeaseTask(Task):  # type: ignore[misc]
                 log.exception("task %s[%s]: storing the skip failed", self.name, request.id)
         raise Ignore(str(skipped))
 
-    def _store_down(self, exc: LeaseStoreError, settings: LeaseSettings) -> Any:
+    def _store_down(
+        self, exc: LeaseStoreError, settings: LeaseSettings, resource: str | None = None
+    ) -> Any:
         """The store failed at claim time: wait for it, on a budget of its own.
 
         Each attempt is sent again with the busy backoff until ``store_down_max_wait`` seconds
         have passed since this execution's first failed claim (a message header), then the task
         fails with a LeaseStoreError saying so. The outage is reported once per interval per
         process (``_outage``), not once per attempt.
+
+        A copy of a waiter (it counts busy waits) may have a sibling copy that ran the task
+        or gave up already: it reads the task's state in the result backend first and ends
+        unrun on a final one (the backend is often up when the store is not), and is sent
+        again without storing RETRY over another copy's state, as a back-stop copy (which
+        reads that state before its claim), not as a woken one.
         """
         request = self.request
         if request.is_eager or request.called_directly:
             raise exc
+        copy_of_waiter = bool(int(_header(request, WAITS_HEADER) or 0)) and not self.track_started
+        if copy_of_waiter:
+            state = self._task_state(request, woken=True)
+            if state is not None and state in states.READY_STATES:
+                self._drop_finished(request, resource or "?", state)
         made = self._compiled().store
         store = made.url if made is not None else mask_url(settings.store_url)
         budget = settings.store_down_max_wait
@@ -1171,7 +1192,10 @@ class LeaseTask(Task):  # type: ignore[misc]
             delay,
             exc,
         )
-        return self._requeue(exc, delay, {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since})
+        updates = {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since}
+        if copy_of_waiter:
+            return self._requeue(exc, delay, {**updates, WOKEN_HEADER: None}, store=False)
+        return self._requeue(exc, delay, updates)
 
     def _busy_cap(self, settings: LeaseSettings) -> float:
         compiled = self._compiled()

@@ -32,11 +32,12 @@ def _wait_state(result: object, state: str, timeout: float) -> None:
 
 
 def _give_up_on_the_store(
-    it_app: Any, events: Any, proxy: Any, n: str, qa: str, qb: str
+    it_app: Any, events: Any, proxy: Any, n: str, qa: str, qb: str, heal: bool = True
 ) -> tuple[Any, dict[str, Any]]:
     """Send waiter W to ``qb`` (whose worker reaches the store through ``proxy``) with a link
     and an errback on ``qa``; once it is listed, drop everything at the proxy until W's
-    back-stop copy gives up on the store (FAILURE), then heal. W and its FAILURE record."""
+    back-stop copy gives up on the store (FAILURE), then heal (unless not ``heal``). W and
+    its FAILURE record."""
     waiter = it_app.fifo_hold.apply_async(
         (n, 1, 0.1),
         queue=qb,
@@ -48,7 +49,8 @@ def _give_up_on_the_store(
     proxy.reset_all()
     _wait_state(waiter, "FAILURE", 60)
     gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
-    proxy.heal()
+    if heal:
+        proxy.heal()
     return waiter, gave_up
 
 
@@ -259,3 +261,198 @@ def test_a_late_refused_copy_of_a_waiter_that_gave_up_does_not_fail_it_again(
     assert callbacks == ["err"], callbacks
     assert dropped in worker_b.log()
     assert not events.where(ev="enter", res=n, k=1)
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_a_back_stop_copy_at_its_last_wait_ends_unrun_after_its_woken_copy_gave_up(
+    it_app, start_worker, store_env, events, queue, coord, check
+):
+    """Review 2: W (busy_max_waits=2) is listed behind H; its back-stop copy B1 is refused and
+    re-arms W's place, sending back-stop B2 (its last allowed wait) 10-20 s later. H releases
+    while worker B is busy, so W's woken copy K comes past the grace, X holds the resource by
+    then, and K, refused at its last wait, gives up (FAILURE, errback). X releases. B2 then
+    claims a free resource: it must read W's FAILURE before its claim and end unrun.
+    Negative control (``off``: no copy reads its task's state): B2 runs the body, FAILURE
+    becomes SUCCESS. Failed before: body ran once, callbacks ["err", "link"] (B2 sends no
+    place to wake, and only copies that sent one read before their claim)."""
+    env = {
+        **store_env("redis"),
+        "CL_TTL": "1",
+        "CL_BACKOFF_BASE": "20",
+        "CL_BACKOFF_CAP": "20",
+        "CL_HANDOFF_GRACE": "1",
+    }
+    if check == "off":
+        env["CL_FINISHED_READ"] = "off"
+    qa, qb = queue + "a", queue + "b"
+    start_worker(env, queue=qa, pool="threads", concurrency=3)
+    worker_b = start_worker(env, queue=qb, pool="threads", concurrency=3)
+    n = unique("lw")
+    go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
+    it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+    events.wait(ev="enter", res=n, k=0)
+    waiter = it_app.fifo_few_waits.apply_async(
+        (n, 1, 0.1),
+        queue=qb,
+        link=it_app.note_callback.si(label="link").set(queue=qa),
+        link_error=_callback("err", it_app, qa),
+    )
+    events.wait(ev="retry", task=waiter.id)  # listed
+    events.wait(ev="requeued", task=waiter.id, timeout=40)  # B1 refused: re-armed, B2 sent
+    for i in range(3):  # B's three threads busy: K waits behind them
+        it_app.plain_step.apply_async((n, 100 + i, 5.0), queue=qb)
+    wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
+    coord.rpush(go_h, 1)  # H releases and wakes W's place (K)
+    released = events.wait(ev="exit", res=n, k=0)
+    wait_for(lambda: time.time() > released["t"] + 2.0, 10, "the grace to pass")
+    it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
+    events.wait(ev="enter", res=n, k=2, timeout=30)
+    events.wait(ev="failure", task=waiter.id, timeout=40)  # K refused at its last wait
+    gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    coord.rpush(go_x, 1)
+    events.wait(ev="exit", res=n, k=2)
+    wait_for(
+        lambda: (
+            "dropped a copy of a finished task" in worker_b.log()
+            or events.where(ev="callback", label="link")
+        ),
+        40,
+        "back-stop copy B2 to end",
+    )
+    final = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    runs = events.where(ev="enter", res=n, k=1)
+    callbacks = sorted(e["label"] for e in events.where(ev="callback"))
+    print(f"[{check}] gave up {gave_up['status']}; body runs {len(runs)}; callbacks {callbacks}")
+    assert gave_up["status"] == "FAILURE"
+    assert "gave up after 2 busy waits" in str(gave_up.get("result"))
+    if check == "off":
+        assert len(runs) == 1 and final["status"] == "SUCCESS"
+        return
+    assert len(runs) == 0
+    assert final["status"] == "FAILURE" and callbacks == ["err"]
+
+
+@pytest.mark.parametrize(("heal", "check"), [("never", "on"), ("after", "on"), ("never", "off")])
+def test_a_woken_copy_on_an_unreachable_store_ends_unrun_after_its_waiter_gave_up(
+    it_app, start_worker, store_env, events, queue, coord, heal, check
+):
+    """Review 2: W on worker B (the store through a proxy) is listed behind H; the proxy drops
+    everything until W's back-stop copy gives up on the store (FAILURE, errback). H (its
+    worker reaches the store) releases and wakes W's place; the woken copy K comes to B, whose
+    store is still unreachable. K must read W's FAILURE and end unrun, not wait for the store
+    (``never``: it stays unreachable; ``after``: healed once K was handled). Negative control
+    (``off``: no copy reads its task's state): K waits out its own budget and gives up again,
+    the errback runs twice. Failed before: K stored RETRY over W's FAILURE, then gave up again
+    (["err", "err"]) or, healed, ran the body."""
+    from tests.tooling.proxy import TcpProxy
+
+    env = {**store_env("redis"), "CL_TTL": "2", "CL_BACKOFF_CAP": "1.0"}
+    if check == "off":
+        env["CL_FINISHED_READ"] = "off"
+    port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        env_b = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), "CL_STORE_DOWN_MAX_WAIT": "2"}
+        qa, qb = queue + "a", queue + "b"
+        start_worker(env, queue=qa, pool="threads", concurrency=3)
+        worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
+        n = unique("ku")
+        go_h = events.key_for("go-h")
+        it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+        events.wait(ev="enter", res=n, k=0)
+        waiter, gave_up = _give_up_on_the_store(it_app, events, proxy, n, qa, qb, heal=False)
+        wait_for(lambda: events.where(ev="callback", label="err"), 20, "the errback")
+        coord.rpush(go_h, 1)  # H releases and wakes W's place: K comes to B
+        released = events.wait(ev="exit", res=n, k=0)
+        dropped = "dropped a copy of a finished task"
+
+        def k_handled() -> bool:
+            if dropped in worker_b.log():
+                return True
+            seen = [e for e in events.where(task=waiter.id) if e["t"] > released["t"]]
+            return any(e["ev"] in ("retry", "store_requeued") for e in seen)
+
+        wait_for(k_handled, 30, "K on B")
+        states = backend_meta(it_app.app, [waiter.id])[waiter.id]["status"]
+        if heal == "after":
+            proxy.heal()
+        wait_for(
+            lambda: (
+                dropped in worker_b.log()
+                or len(events.where(ev="callback")) >= 2
+                or events.where(ev="enter", res=n, k=1)
+            ),
+            30,
+            "K to end",
+        )
+        proxy.heal()
+    final = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    runs = events.where(ev="enter", res=n, k=1)
+    callbacks = sorted(e["label"] for e in events.where(ev="callback"))
+    print(
+        f"[{heal}/{check}] after K: {states}; body runs {len(runs)}; callbacks {callbacks}; "
+        f"final {final['status']}"
+    )
+    assert gave_up["status"] == "FAILURE"
+    if check == "off":
+        assert callbacks == ["err", "err"]
+        return
+    assert states == "FAILURE" and dropped in worker_b.log()
+    assert len(runs) == 0
+    assert final["status"] == "FAILURE" and callbacks == ["err"]
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_a_late_woken_copy_on_an_unreachable_store_ends_unrun_after_its_waiter_succeeded(
+    it_app, start_worker, store_env, events, queue, tmp_path, check
+):
+    """Review 2: H's worker pauses 10 s between its release and the wake (failpoint); W's
+    back-stop copy runs W meanwhile (SUCCESS, link). Then worker B's store becomes unreachable
+    (a proxy dropping everything) and the late woken copy K comes to B: it must read W's
+    SUCCESS and end unrun, not wait out its store budget and give up. Negative control
+    (``off``: no copy reads its task's state): K gives up, Celery keeps SUCCESS but runs the
+    errback as well. Failed before: callbacks ["err", "link"]."""
+    from tests.tooling.proxy import TcpProxy
+
+    env = {**store_env("redis"), "CL_TTL": "2", "CL_BACKOFF_CAP": "1.0"}
+    if check == "off":
+        env["CL_FINISHED_READ"] = "off"
+    env_a = {
+        **env,
+        "CELERY_LEASE_FAILPOINTS": "before_wake=sleep:10",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+    port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        env_b = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), "CL_STORE_DOWN_MAX_WAIT": "2"}
+        qa, qb = queue + "a", queue + "b"
+        start_worker(env_a, queue=qa, pool="threads", concurrency=3)
+        worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
+        n = unique("ls")
+        it_app.fifo_hold.apply_async((n, 0, 1.5), queue=qa)
+        events.wait(ev="enter", res=n, k=0)
+        waiter = it_app.fifo_hold.apply_async(
+            (n, 1, 0.1),
+            queue=qb,
+            link=it_app.note_callback.si(label="link").set(queue=qa),
+            link_error=_callback("err", it_app, qa),
+        )
+        events.wait(ev="retry", task=waiter.id)  # listed
+        _wait_state(waiter, "SUCCESS", 30)  # its back-stop copy ran it during the pause
+        proxy.blackhole(drop=True)
+        proxy.reset_all()
+        dropped = "dropped a copy of a finished task"
+        wait_for(
+            lambda: dropped in worker_b.log() or len(events.where(ev="callback")) >= 2,
+            40,
+            "the late woken copy to end",
+        )
+        proxy.heal()
+    final = backend_meta(it_app.app, [waiter.id])[waiter.id]
+    runs = events.where(ev="enter", res=n, k=1)
+    callbacks = sorted(e["label"] for e in events.where(ev="callback"))
+    print(f"[{check}] body runs {len(runs)}; callbacks {callbacks}; final {final['status']}")
+    assert len(runs) == 1 and final["status"] == "SUCCESS"
+    if check == "off":
+        assert callbacks == ["err", "link"]
+        return
+    assert callbacks == ["link"]

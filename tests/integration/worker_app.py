@@ -770,10 +770,13 @@ def _on_postrun(
 ) -> None:
     """How each copy of fifo_fail ended (RETRY: re-queued; IGNORED: dropped unrun); and a
     busy re-queue of a copy that already waited, which ends IGNORED (no task_retry signal)
-    with the busy error as the Ignore's cause: reported as "requeued"."""
+    with the busy error as the Ignore's cause: reported as "requeued" (with a store error:
+    "store_requeued", a waiter's copy sent again while the store is unreachable)."""
     if getattr(sender, "name", "").endswith((".fifo_fail", ".shared_maybe", ".exit_once")):
         report("postrun", task=task_id, state=state)
     cause = getattr(retval, "__cause__", None)
+    if state == "IGNORED" and type(cause).__name__ == "LeaseStoreError":
+        _report_outcome("store_requeued", task_id, getattr(sender, "name", None), cause)
     if state == "IGNORED" and type(cause).__name__ == "LeaseBusyError":
         _report_outcome("requeued", task_id, getattr(sender, "name", None), cause)
 
