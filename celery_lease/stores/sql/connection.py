@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
+from ..._clock import monotonic
 from ..._errors import LeaseConfigError, LeaseError, LeaseStoreError
 from ..._interrupt import shielded
 from ..._names import check_credentials, mask_url
@@ -43,6 +46,27 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: How long a SQLite call waits for a locked database before it fails, in seconds.
+SQLITE_BUSY_TIMEOUT = 30.0
+
+#: Under gevent a SQLite connection waits for a locked database by sleeping through the hub,
+#: not in C (see :meth:`Connections._attempt`); False is the tests' negative control.
+COOPERATIVE_BUSY_WAIT = True
+
+
+def gevent_patched() -> bool:
+    """Whether gevent monkey-patched threading here (greenlets share one OS thread)."""
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("threading"))
+
+
+def database_locked(exc: BaseException) -> bool:
+    """Whether a SQLite error says the database (or a table) is locked by another connection."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (and their extended codes)
+    return "locked" in str(exc)
 
 
 class Connections:
@@ -157,46 +181,72 @@ class Connections:
 
     def _attempt(self, work: Callable[[Any], T], free: FreeList[Connection], attempt: int) -> T:
         """One attempt of :meth:`run` (shielded, its driver errors translated by the caller):
-        ``work``'s result, or ``_RETRY`` when the connection broke on the first attempt."""
+        ``work``'s result, or ``_RETRY`` when the connection broke on the first attempt.
+
+        A SQLite connection made under gevent has no busy wait in C: a locked database is
+        asked again here after a sleep that lets the hub run the other greenlets. In C the
+        whole process slept, the greenlet holding the lock with it if it had switched away
+        inside its transaction, so the lock stayed held until the call failed at the deadline.
+        """
         if self.serial is not None:
             self.serial.acquire()
         try:
-            held = free.get()
-            try:
-                result = work(held.cursor)
-            except BaseException as exc:
-                if not isinstance(exc, self.dbapi_error):
-                    # Interrupted mid-call (a signal, a soft time limit): the
-                    # connection may be mid-command, so it never serves again.
+            deadline, pause = 0.0, 0.001
+            while True:
+                held = free.get()
+                try:
+                    result = work(held.cursor)
+                except BaseException as exc:
+                    if not isinstance(exc, self.dbapi_error):
+                        # Interrupted mid-call (a signal, a soft time limit): the
+                        # connection may be mid-command, so it never serves again.
+                        held.invalidate(exc)
+                        free.discard(held)
+                        raise
+                    disconnected = self.engine.dialect.is_disconnect(
+                        exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
+                        held.conn.dbapi_connection,
+                        None,
+                    )
+                    if self.dialect == "sqlite":
+                        rollback_quietly(held.conn)
+                    if not disconnected:
+                        free.put(held)  # the statement failed; the connection is fine
+                        if held.green and database_locked(exc):
+                            # (rolled back: nothing was written, the work may run again)
+                            now = monotonic()
+                            if not deadline:
+                                deadline = now + SQLITE_BUSY_TIMEOUT
+                            if now < deadline:
+                                time.sleep(min(pause, deadline - now))  # gevent's: a switch
+                                pause = min(pause * 2, 0.02)
+                                continue
+                        raise
                     held.invalidate(exc)
                     free.discard(held)
+                    free.clear()
+                    self.engine.dispose()
+                    if attempt == 1:
+                        return _RETRY  # type: ignore[return-value]
                     raise
-                disconnected = self.engine.dialect.is_disconnect(
-                    exc,  # type: ignore[arg-type]  # the dialect's DBAPI Error
-                    held.conn.dbapi_connection,
-                    None,
-                )
-                if self.dialect == "sqlite":
-                    rollback_quietly(held.conn)
-                if not disconnected:
-                    free.put(held)  # the statement failed; the connection is fine
-                    raise
-                held.invalidate(exc)
-                free.discard(held)
-                free.clear()
-                self.engine.dispose()
-                if attempt == 1:
-                    return _RETRY  # type: ignore[return-value]
-                raise
-            free.put(held)
-            return result
+                free.put(held)
+                return result
         finally:
             if self.serial is not None:
                 self.serial.release()
 
     def _connect(self) -> Connection:
+        conn = self.engine.raw_connection()
+        green = False
+        if self.dialect == "sqlite":
+            green = COOPERATIVE_BUSY_WAIT and gevent_patched()
+            wait_ms = 0 if green else round(SQLITE_BUSY_TIMEOUT * 1000)
+            cursor = conn.cursor()
+            cursor.execute(f"PRAGMA busy_timeout={wait_ms}")
+            cursor.close()
         return Connection(
-            self.engine.raw_connection(),
+            conn,
+            green=green,
             # Closed for real when it is discarded or the store closes: put back into the pool,
             # it could land in one that a reconnect disposed meanwhile, and leak. (Not the one
             # shared connection of an in-memory SQLite database.)
@@ -238,10 +288,14 @@ _RETRY = object()
 class Connection:
     """A connection checked out of the engine's pool, with its cursor; closed when dropped."""
 
-    __slots__ = ("conn", "cursor", "detach", "pid")
+    __slots__ = ("conn", "cursor", "detach", "green", "pid")
 
-    def __init__(self, conn: Any, *, detach: bool = True, postgresql: bool = False) -> None:
+    def __init__(
+        self, conn: Any, *, detach: bool = True, postgresql: bool = False, green: bool = False
+    ) -> None:
         self.conn = conn
+        #: SQLite under gevent: no busy wait in C, Connections waits through the hub.
+        self.green = green
         # PostgreSQL (psycopg 3.2+): a cursor that keeps the raw cursor its long statements
         # use (see wait_statements.fetch), made once per connection instead of once a call.
         cursor = raw_keeping_cursor(conn.dbapi_connection) if postgresql else None
@@ -292,7 +346,7 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
             kwargs["poolclass"] = StaticPool
         else:
             kwargs["max_overflow"] = -1  # the store's free lists bound them (see _run)
-        kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30.0}
+        kwargs["connect_args"] = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT}
     elif parsed.get_backend_name() == "postgresql":
         ms = int(statement_timeout * 1000)
         seconds = max(1, math.ceil(statement_timeout))
@@ -333,7 +387,7 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=FULL")
-            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute(f"PRAGMA busy_timeout={round(SQLITE_BUSY_TIMEOUT * 1000)}")
             cursor.close()
         else:
             dbapi_connection.autocommit = True
