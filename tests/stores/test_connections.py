@@ -27,10 +27,10 @@ import redis
 from sqlalchemy.engine import make_url
 
 from celery_lease import LeaseStoreError, Owner
-from celery_lease.stores import _connections
+from celery_lease.stores import _connections, store_from_url
 from celery_lease.stores._connections import MAX_IDLE, FreeList
 from celery_lease.stores.redis import RedisLeaseStore
-from tests.conftest import make_store
+from tests.conftest import make_store, unique
 from tests.tooling.servers import wait_for
 
 pytestmark = pytest.mark.filterwarnings(
@@ -164,11 +164,36 @@ class TestFreeList:
 # -- the stores on real servers ------------------------------------------------------------------
 @pytest.fixture(params=SERVER_KINDS)
 def server_store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
+    if request.param == "postgres":
+        # A database of its own: PostgreSQL counts the sessions opened per database, and the
+        # suite's other processes open theirs in the shared one meanwhile.
+        with own_database(request.getfixturevalue("postgres_server").url) as url:
+            store = store_from_url(url)
+            try:
+                yield store
+            finally:
+                store.close()
+        return
     store = make_store(request.param, request, tmp_path)
     try:
         yield store
     finally:
         store.close()
+
+
+@contextlib.contextmanager
+def own_database(server_url: str) -> Iterator[str]:
+    """A new database on the PostgreSQL server (dropped afterwards): its URL."""
+    url = make_url(server_url)
+    name = unique("cl_db")
+    with psycopg.connect(
+        host=url.host, port=url.port, user=url.username, dbname=url.database, autocommit=True
+    ) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield url.set(database=name).render_as_string(hide_password=False)
+        finally:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 def task_free_list(store: Any) -> FreeList[Any]:
@@ -189,7 +214,7 @@ class Server:
                 host=url.host,
                 port=url.port,
                 user=url.username,
-                dbname=url.database,
+                dbname=store._connections.engine.url.database,  # (its own, see server_store)
                 autocommit=True,
             )
 
