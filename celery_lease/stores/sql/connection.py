@@ -387,7 +387,11 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=FULL")
-            cursor.execute(f"PRAGMA busy_timeout={round(SQLITE_BUSY_TIMEOUT * 1000)}")
+            # (none under gevent: Connections._attempt and create_tables wait through the hub)
+            green = COOPERATIVE_BUSY_WAIT and gevent_patched()
+            cursor.execute(
+                f"PRAGMA busy_timeout={0 if green else round(SQLITE_BUSY_TIMEOUT * 1000)}"
+            )
             cursor.close()
         else:
             dbapi_connection.autocommit = True

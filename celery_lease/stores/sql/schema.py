@@ -21,7 +21,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from ... import _clock
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._names import show_value
-from .connection import Connections, first_line, permission_denied, sqlstate
+from .connection import (
+    Connections,
+    database_locked,
+    first_line,
+    permission_denied,
+    sqlstate,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -125,16 +131,32 @@ def create_tables(
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 1.0)
     meta = tables["meta"]
-    with connections.translate("schema check"), connections.engine.begin() as conn:
-        found = conn.execute(sa.select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
-        if found is None:
-            insert = pg_insert if connections.dialect == "postgresql" else sqlite_insert
-            conn.execute(
-                insert(meta)
-                .values(key="schema_version", value=str(SCHEMA_VERSION))
-                .on_conflict_do_nothing()
+    while True:
+        try:
+            with connections.translate("schema check"), connections.engine.begin() as conn:
+                found = conn.execute(
+                    sa.select(meta.c.value).where(meta.c.key == "schema_version")
+                ).scalar()
+                if found is None:
+                    insert = pg_insert if connections.dialect == "postgresql" else sqlite_insert
+                    conn.execute(
+                        insert(meta)
+                        .values(key="schema_version", value=str(SCHEMA_VERSION))
+                        .on_conflict_do_nothing()
+                    )
+                    found = str(SCHEMA_VERSION)
+            break
+        except LeaseStoreError as exc:
+            # (SQLite under gevent has no busy wait in C, see Connections._attempt: a locked
+            # database is asked again after a sleep that lets the other greenlets run)
+            cause = getattr(exc.__cause__, "orig", exc.__cause__)
+            locked = (
+                connections.dialect == "sqlite" and cause is not None and database_locked(cause)
             )
-            found = str(SCHEMA_VERSION)
+            if not locked or _clock.monotonic() > deadline:
+                raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 1.0)
     if int(found) > SCHEMA_VERSION:
         raise LeaseConfigError(
             f"the lease tables in {connections.url} have schema version {found}, newer than this "
