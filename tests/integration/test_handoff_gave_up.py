@@ -31,6 +31,37 @@ def _wait_state(result: object, state: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _with_callbacks(it_app: Any, task: Any, n: str, qa: str, qb: str) -> Any:
+    """Send waiter W (``task``, place 1 of resource ``n``) to ``qb``, with a link and an
+    errback on ``qa`` that report their labels."""
+    return task.apply_async(
+        (n, 1, 0.1),
+        queue=qb,
+        link=it_app.note_callback.si(label="link").set(queue=qa),
+        link_error=_callback("err", it_app, qa),
+    )
+
+
+def _busy_threads(it_app: Any, events: Any, n: str, qb: str, seconds: float) -> None:
+    """Keep the three threads of ``qb``'s worker busy for ``seconds``: a wake sent to it
+    meanwhile waits behind them."""
+    for i in range(3):
+        it_app.plain_step.apply_async((n, 100 + i, seconds), queue=qb)
+    wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
+
+
+def _release_then_take(it_app: Any, events: Any, coord: Any, n: str, qa: str, grace: float) -> str:
+    """H releases ``n`` (waking W's place); once ``grace`` seconds have passed (nothing is held
+    for W then) X takes the free resource and holds it until its go key (returned) is set."""
+    coord.rpush(events.key_for("go-h"), 1)
+    released = events.wait(ev="exit", res=n, k=0)
+    wait_for(lambda: time.time() > released["t"] + grace, 10, "the grace to pass")
+    go_x: str = events.key_for("go-x")
+    it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
+    events.wait(ev="enter", res=n, k=2, timeout=30)
+    return go_x
+
+
 def _give_up_on_the_store(
     it_app: Any, events: Any, proxy: Any, n: str, qa: str, qb: str, heal: bool = True
 ) -> tuple[Any, dict[str, Any]]:
@@ -38,12 +69,7 @@ def _give_up_on_the_store(
     and an errback on ``qa``; once it is listed, drop everything at the proxy until W's
     back-stop copy gives up on the store (FAILURE), then heal (unless not ``heal``). W and
     its FAILURE record."""
-    waiter = it_app.fifo_hold.apply_async(
-        (n, 1, 0.1),
-        queue=qb,
-        link=it_app.note_callback.si(label="link").set(queue=qa),
-        link_error=_callback("err", it_app, qa),
-    )
+    waiter = _with_callbacks(it_app, it_app.fifo_hold, n, qa, qb)
     events.wait(ev="retry", task=waiter.id)  # refused and listed
     proxy.blackhole(drop=True)
     proxy.reset_all()
@@ -183,19 +209,11 @@ def test_a_place_re_armed_by_a_late_woken_copy_keeps_its_first_listing(
         start_worker(env, queue=qa, pool="threads", concurrency=3)
         worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
         n = unique("ra")
-        go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
-        it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+        it_app.fifo_gate.apply_async((n, 0, events.key_for("go-h")), queue=qa)
         events.wait(ev="enter", res=n, k=0)
         waiter, gave_up = _give_up_on_the_store(it_app, events, proxy, n, qa, qb)
-        for i in range(3):  # B's three threads busy: the wake waits in qb.lease-wake
-            it_app.plain_step.apply_async((n, 100 + i, 6.0), queue=qb)
-        wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
-        coord.rpush(go_h, 1)  # H releases and wakes W's place
-        released = events.wait(ev="exit", res=n, k=0)
-        # X claims once the grace has passed (nothing is held for W then)
-        wait_for(lambda: time.time() > released["t"] + 3.0, 10, "the grace to pass")
-        it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
-        events.wait(ev="enter", res=n, k=2, timeout=30)
+        _busy_threads(it_app, events, n, qb, 6.0)  # the wake waits in qb.lease-wake
+        go_x = _release_then_take(it_app, events, coord, n, qa, 3.0)
         # K comes once the blockers end: refused (X holds), it re-arms W's place
         events.wait(ev="requeued", task=waiter.id, timeout=40)
         coord.rpush(go_x, 1)  # X releases: wakes the re-armed place
@@ -232,24 +250,12 @@ def test_a_late_refused_copy_of_a_waiter_that_gave_up_does_not_fail_it_again(
     start_worker(env, queue=qa, pool="threads", concurrency=3)
     worker_b = start_worker(env, queue=qb, pool="threads", concurrency=3)
     n = unique("gb")
-    go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
-    it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+    it_app.fifo_gate.apply_async((n, 0, events.key_for("go-h")), queue=qa)
     events.wait(ev="enter", res=n, k=0)
-    waiter = it_app.fifo_few_waits.apply_async(
-        (n, 1, 0.1),
-        queue=qb,
-        link=it_app.note_callback.si(label="link").set(queue=qa),
-        link_error=_callback("err", it_app, qa),
-    )
+    waiter = _with_callbacks(it_app, it_app.fifo_few_waits, n, qa, qb)
     _wait_state(waiter, "FAILURE", 30)
-    for i in range(3):
-        it_app.plain_step.apply_async((n, 100 + i, 6.0), queue=qb)
-    wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
-    coord.rpush(go_h, 1)
-    released = events.wait(ev="exit", res=n, k=0)
-    wait_for(lambda: time.time() > released["t"] + 3.0, 10, "the grace to pass")
-    it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
-    events.wait(ev="enter", res=n, k=2, timeout=30)
+    _busy_threads(it_app, events, n, qb, 6.0)
+    go_x = _release_then_take(it_app, events, coord, n, qa, 3.0)
     dropped = "dropped a copy of a finished task"
     wait_for(
         lambda: dropped in worker_b.log() or len(events.where(ev="callback")) >= 2,
@@ -288,25 +294,13 @@ def test_a_back_stop_copy_at_its_last_wait_ends_unrun_after_its_woken_copy_gave_
     start_worker(env, queue=qa, pool="threads", concurrency=3)
     worker_b = start_worker(env, queue=qb, pool="threads", concurrency=3)
     n = unique("lw")
-    go_h, go_x = events.key_for("go-h"), events.key_for("go-x")
-    it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+    it_app.fifo_gate.apply_async((n, 0, events.key_for("go-h")), queue=qa)
     events.wait(ev="enter", res=n, k=0)
-    waiter = it_app.fifo_few_waits.apply_async(
-        (n, 1, 0.1),
-        queue=qb,
-        link=it_app.note_callback.si(label="link").set(queue=qa),
-        link_error=_callback("err", it_app, qa),
-    )
+    waiter = _with_callbacks(it_app, it_app.fifo_few_waits, n, qa, qb)
     events.wait(ev="retry", task=waiter.id)  # listed
     events.wait(ev="requeued", task=waiter.id, timeout=40)  # B1 refused: re-armed, B2 sent
-    for i in range(3):  # B's three threads busy: K waits behind them
-        it_app.plain_step.apply_async((n, 100 + i, 5.0), queue=qb)
-    wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
-    coord.rpush(go_h, 1)  # H releases and wakes W's place (K)
-    released = events.wait(ev="exit", res=n, k=0)
-    wait_for(lambda: time.time() > released["t"] + 2.0, 10, "the grace to pass")
-    it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
-    events.wait(ev="enter", res=n, k=2, timeout=30)
+    _busy_threads(it_app, events, n, qb, 5.0)  # K waits behind them
+    go_x = _release_then_take(it_app, events, coord, n, qa, 2.0)  # K woken, X holds
     events.wait(ev="failure", task=waiter.id, timeout=40)  # K refused at its last wait
     gave_up = backend_meta(it_app.app, [waiter.id])[waiter.id]
     coord.rpush(go_x, 1)
