@@ -428,7 +428,10 @@ class LeaseTask(Task):  # type: ignore[misc]
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
-            return self._store_down(exc, settings, resource)
+            # One sent with a place to wake may have been refused and listed it: the next
+            # release then wakes a copy of this message.
+            listed = wait is not None and not exc.refused
+            return self._store_down(exc, settings, resource, listed)
         claim_seconds = _clock.monotonic() - claim_started
         if wait is not None:
             woken = _header(request, WOKEN_HEADER)
@@ -1143,7 +1146,11 @@ class LeaseTask(Task):  # type: ignore[misc]
         raise Ignore(str(skipped))
 
     def _store_down(
-        self, exc: LeaseStoreError, settings: LeaseSettings, resource: str | None = None
+        self,
+        exc: LeaseStoreError,
+        settings: LeaseSettings,
+        resource: str | None = None,
+        listed: bool = False,
     ) -> Any:
         """The store failed at claim time: wait for it, on a budget of its own.
 
@@ -1156,12 +1163,16 @@ class LeaseTask(Task):  # type: ignore[misc]
         or gave up already: it reads the task's state in the result backend first and ends
         unrun on a final one (the backend is often up when the store is not), and is sent
         again without storing RETRY over another copy's state, as a back-stop copy (which
-        reads that state before its claim), not as a woken one.
+        reads that state before its claim), not as a woken one. So is a message whose claim
+        was sent with a place to wake and got no answer (``listed``): it may have listed that
+        place, and a copy of it may be woken and run while this one waits; it is sent again
+        counting one wait, as the copy of a waiter it may be.
         """
         request = self.request
         if request.is_eager or request.called_directly:
             raise exc
-        copy_of_waiter = bool(int(_header(request, WAITS_HEADER) or 0)) and not self.track_started
+        busy_waits = int(_header(request, WAITS_HEADER) or 0)
+        copy_of_waiter = bool(busy_waits or listed) and not self.track_started
         if copy_of_waiter:
             state = self._task_state(request, woken=True)
             if state is not None and state in states.READY_STATES:
@@ -1192,9 +1203,12 @@ class LeaseTask(Task):  # type: ignore[misc]
             delay,
             exc,
         )
-        updates = {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since}
+        updates: dict[str, Any] = {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since}
         if copy_of_waiter:
-            return self._requeue(exc, delay, {**updates, WOKEN_HEADER: None}, store=False)
+            updates[WOKEN_HEADER] = None
+            if not busy_waits:
+                updates[WAITS_HEADER] = 1
+            return self._requeue(exc, delay, updates, store=False)
         return self._requeue(exc, delay, updates)
 
     def _busy_cap(self, settings: LeaseSettings) -> float:

@@ -616,6 +616,19 @@ if env.get("CL_FINISHED_READ") == "off":
     LeaseTask._task_state = lambda self, request, woken=False: None  # type: ignore[method-assign]
 
 
+if env.get("CL_LISTED_ON_LOSS") == "off":
+    # Negative control of test_handoff_lost_reply.py: a claim sent with a place to wake whose
+    # reply was lost is taken as never listed (its copy does not count as a waiter's).
+    from celery_lease import LeaseTask
+
+    _store_down = LeaseTask._store_down
+
+    def _never_listed(self: Any, exc: Any, settings: Any, resource: Any = None, listed=False):
+        return _store_down(self, exc, settings, resource)
+
+    LeaseTask._store_down = _never_listed  # type: ignore[method-assign]
+
+
 if env.get("CL_LISTED_AT") == "now":
     # Negative control of test_handoff_gave_up.py: a re-armed place counts as listed now,
     # not from its first listing (the stamp before review 1).
