@@ -314,12 +314,13 @@ class RedisServer:
                     sock.sendall(f"AUTH {password}\r\n".encode())
                     if not _read_reply(sock).startswith(b"+OK"):
                         return False
-                sock.sendall(b"INFO server\r\n")
+                # (persistence: INFO answers while the dataset loads, other commands do not)
+                sock.sendall(b"INFO server persistence\r\n")
                 reply = _read_reply(sock)
         except OSError:
             return False
         found = re.search(rb"process_id:(\d+)", reply)
-        if found is None:
+        if found is None or b"loading:0" not in reply:
             return False  # (loading, or not a complete reply yet)
         if self.proc is not None and int(found.group(1)) != self.proc.pid:
             raise _PortTaken(self.port)
