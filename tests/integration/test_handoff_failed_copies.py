@@ -36,7 +36,7 @@ SLACK = 30.0
     ],
 )
 def test_a_failed_waiters_refused_copy_does_not_store_retry_over_its_failure(
-    it_app, start_worker, store_env, events, queue, kind, pool, check
+    it_app, start_worker, store_env, events, queue, coord, kind, pool, check
 ):
     """Holder, failing waiter F, second waiter S. F's woken copy fails (FAILURE stored), the
     release hands the resource to S; F's back-stop copy is refused while S holds it. That
@@ -55,12 +55,14 @@ def test_a_failed_waiters_refused_copy_does_not_store_retry_over_its_failure(
         env["CL_REFUSED_COPY"] = "retry"
     start_worker(env, queue=queue, pool=pool, concurrency=4)
     n = unique("rf")
-    holder = it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)
+    go = events.key_for("go")
+    holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)  # holds until told
     events.wait(ev="enter", res=n, k=0)
     waiter = it_app.fifo_fail.apply_async((n, 1, 0.1), queue=queue)
     events.wait(ev="retry", task=waiter.id)
     second = it_app.fifo_hold.apply_async((n, 2, 5.0), queue=queue)  # next in the wait list
     events.wait(ev="retry", task=second.id)
+    coord.rpush(go, 1)
     assert holder.get(timeout=60) == 0
     assert second.get(timeout=60) == 2
     time.sleep(5)  # every copy of the waiter has come back by now
