@@ -317,10 +317,13 @@ class RedisServer:
                 # (persistence: INFO answers while the dataset loads, other commands do not)
                 sock.sendall(b"INFO server persistence\r\n")
                 reply = _read_reply(sock)
+                # and a command that is refused (-LOADING) until the dataset is in memory
+                sock.sendall(b"PING\r\n")
+                pong = _read_reply(sock)
         except OSError:
             return False
         found = re.search(rb"process_id:(\d+)", reply)
-        if found is None or b"loading:0" not in reply:
+        if found is None or b"loading:0" not in reply or not pong.startswith(b"+PONG"):
             return False  # (loading, or not a complete reply yet)
         if self.proc is not None and int(found.group(1)) != self.proc.pid:
             raise _PortTaken(self.port)
