@@ -93,11 +93,16 @@ def eventlet_patched() -> bool:
     return bool(is_patched is not None and is_patched("thread"))
 
 
+def gevent_patched() -> bool:
+    """Whether gevent monkey-patched threading here (greenlets share one OS thread)."""
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("threading"))
+
+
 def _gevent_current() -> tuple[Any, Any] | None:
     """(the current greenlet, its thread's hub) when gevent patched threading, else None."""
     gevent = sys.modules.get("gevent")
-    monkey = sys.modules.get("gevent.monkey")
-    if gevent is None or monkey is None or not monkey.is_module_patched("threading"):
+    if gevent is None or not gevent_patched():
         return None
     return gevent.getcurrent(), gevent.get_hub()
 

@@ -1149,7 +1149,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         self,
         exc: LeaseStoreError,
         settings: LeaseSettings,
-        resource: str | None = None,
+        resource: str,
         listed: bool = False,
     ) -> Any:
         """The store failed at claim time: wait for it, on a budget of its own.
@@ -1176,7 +1176,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if copy_of_waiter:
             state = self._task_state(request, woken=True)
             if state is not None and state in states.READY_STATES:
-                self._drop_finished(request, resource or "?", state)
+                self._drop_finished(request, resource, state)
         made = self._compiled().store
         store = made.url if made is not None else mask_url(settings.store_url)
         budget = settings.store_down_max_wait

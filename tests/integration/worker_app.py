@@ -623,7 +623,7 @@ if env.get("CL_LISTED_ON_LOSS") == "off":
 
     _store_down = LeaseTask._store_down
 
-    def _never_listed(self: Any, exc: Any, settings: Any, resource: Any = None, listed=False):
+    def _never_listed(self: Any, exc: Any, settings: Any, resource: Any, listed=False):
         return _store_down(self, exc, settings, resource)
 
     LeaseTask._store_down = _never_listed  # type: ignore[method-assign]

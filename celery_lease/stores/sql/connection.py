@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from sqlalchemy.pool import StaticPool
 
 from ..._clock import monotonic
 from ..._errors import LeaseConfigError, LeaseError, LeaseStoreError
-from ..._interrupt import shielded
+from ..._interrupt import gevent_patched, shielded
 from ..._names import check_credentials, mask_url
 from ..._pid import getpid
 from .._connections import FreeList
@@ -55,10 +54,12 @@ SQLITE_BUSY_TIMEOUT = 30.0
 COOPERATIVE_BUSY_WAIT = True
 
 
-def gevent_patched() -> bool:
-    """Whether gevent monkey-patched threading here (greenlets share one OS thread)."""
-    monkey = sys.modules.get("gevent.monkey")
-    return monkey is not None and bool(monkey.is_module_patched("threading"))
+def set_sqlite_busy_wait(cursor: Any) -> bool:
+    """Set a SQLite connection's busy wait in C: SQLITE_BUSY_TIMEOUT, or none under gevent
+    (then Connections._attempt and create_tables wait through the hub). Whether it is none."""
+    green = COOPERATIVE_BUSY_WAIT and gevent_patched()
+    cursor.execute(f"PRAGMA busy_timeout={0 if green else round(SQLITE_BUSY_TIMEOUT * 1000)}")
+    return green
 
 
 def database_locked(exc: BaseException) -> bool:
@@ -238,11 +239,9 @@ class Connections:
     def _connect(self) -> Connection:
         conn = self.engine.raw_connection()
         green = False
-        if self.dialect == "sqlite":
-            green = COOPERATIVE_BUSY_WAIT and gevent_patched()
-            wait_ms = 0 if green else round(SQLITE_BUSY_TIMEOUT * 1000)
+        if self.dialect == "sqlite":  # (again: a pooled connection may predate the patching)
             cursor = conn.cursor()
-            cursor.execute(f"PRAGMA busy_timeout={wait_ms}")
+            green = set_sqlite_busy_wait(cursor)
             cursor.close()
         return Connection(
             conn,
@@ -387,11 +386,7 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=FULL")
-            # (none under gevent: Connections._attempt and create_tables wait through the hub)
-            green = COOPERATIVE_BUSY_WAIT and gevent_patched()
-            cursor.execute(
-                f"PRAGMA busy_timeout={0 if green else round(SQLITE_BUSY_TIMEOUT * 1000)}"
-            )
+            set_sqlite_busy_wait(cursor)
             cursor.close()
         else:
             dbapi_connection.autocommit = True
