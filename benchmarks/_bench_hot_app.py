@@ -87,6 +87,18 @@ def dedicated(i: int, run: str, hold: float) -> None:
     _body(i, run, hold)
 
 
+@app.task(name="hot.relay", ignore_result=True)
+def relay(i: int, run: str, hold: float, n: int = 0) -> None:
+    """The floor of any hand-off that travels through the broker: a plain task that sends the
+    next one (``i + 1``) when its body ends, as a release sends a woken waiter's message, with
+    no store and no waiting copies (only the first task is published)."""
+    _body(i, run, hold)
+    if i + 1 < n:
+        app.signature("hot.relay", args=(i + 1, run, hold, n)).apply_async(
+            queue=relay.request.delivery_info.get("routing_key")
+        )
+
+
 HOT_TASKS = frozenset(name for name in app.tasks if name.startswith("hot."))
 
 

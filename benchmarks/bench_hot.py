@@ -6,7 +6,12 @@ Every leased task of a run claims the same resource. Run side by side in one sit
 * ``lease/<store>``: ``@lease_task`` on the Redis, PostgreSQL and SQLite stores, consumed by
   ``--workers`` workers of ``--concurrency`` each (Redis broker);
 * ``dedicated``: the classic workaround, a plain task on a queue of its own consumed by one
-  ``-c 1`` worker (nothing can overlap, nothing waits in a store).
+  ``-c 1`` worker (nothing can overlap, nothing waits in a store);
+* ``relay``: the floor of any hand-off that travels through the broker, on the lease workers:
+  a plain task that sends the next one when its body ends (as a release sends the woken
+  waiter's message), with no store, no claims and no waiting copies (``--no-relay`` skips it).
+  What a lease run adds to it is the store's two round trips per hand-off and the refused
+  first claims of the burst.
 
 Per run it reports the makespan (first publish to last body end), utilization (N*H/makespan),
 the hand-off gap between one body's end and the next body's start (p50/p90/max), overtakes
@@ -159,8 +164,11 @@ class Bench:
         n, hold = self.args.n, self.args.hold
         run = f"{self.run_id}-{pool}-{label.replace('/', '-')}"
         published_at = time.time()
-        for i in range(n):
-            self.app.send_task(task, args=(i, run, hold), queue=queue)
+        if label == "relay":  # each task sends the next: only the first is published
+            self.app.send_task(task, args=(0, run, hold, n), queue=queue)
+        else:
+            for i in range(n):
+                self.app.send_task(task, args=(i, run, hold), queue=queue)
         deadline = time.monotonic() + self.args.timeout
         key = f"hot:{run}"
         records: list[dict[str, Any]] = []
@@ -247,6 +255,12 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         for r in mine:
             if r["label"] == "dedicated":
                 continue
+            if r["label"] == "relay":  # a floor to read the others against, not a target
+                if base is not None:
+                    ratio = r["utilization"] / base["utilization"]
+                    out.append(f"INFO {pool} relay: utilization {ratio:.2f} x dedicated "
+                               "(the floor of a hand-off through the broker)")  # fmt: skip
+                continue
             checks = [
                 ("overlaps == 0", r["overlaps"] == 0),
                 ("overtakes == 0", r["overtakes"] == 0),
@@ -280,6 +294,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="lease workers (2)")
     parser.add_argument("--concurrency", type=int, default=4, help="per lease worker (4)")
     parser.add_argument("--no-dedicated", action="store_true", help="skip the workaround")
+    parser.add_argument(
+        "--no-relay", action="store_true", help="skip the relay (the broker hand-off floor)"
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run (240)")
     parser.add_argument("--json", help="write every figure and the environment here")
     args = parser.parse_args(argv)
@@ -331,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     for w in workers:
                         w.start(bench.app)
                     variants = [(f"hot.lease_{s}", lease_queue, f"lease/{s}") for s in args.stores]
+                    if not args.no_relay:
+                        variants.insert(0, ("hot.relay", lease_queue, "relay"))
                     if not args.no_dedicated:
                         variants.insert(0, ("hot.dedicated", dedicated_queue, "dedicated"))
                     for task, queue, label in variants:
