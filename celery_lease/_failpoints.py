@@ -11,7 +11,8 @@ Without the variable, :func:`hit` is a single global flag test: nothing else run
 Sites: ``after_acquire``, ``after_effect_before_ledger``, ``after_ledger_before_ack``,
 ``inside_renew``, ``inside_release``, ``inside_reconcile``, ``before_wake`` (the release
 handed the resource over and the head waiter's message is not sent yet), ``after_wake`` (it
-is sent).
+is sent), ``after_early_wake`` (the release is sent and the next waiter's message went out
+while its reply is awaited; see ``lease_handoff_early_wake``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SITES = (
     "inside_reconcile",
     "before_wake",
     "after_wake",
+    "after_early_wake",
 )
 
 

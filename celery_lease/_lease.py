@@ -215,6 +215,11 @@ class Lease:
         #: Set by ``release``: the wake payload of the waiter the resource was handed over to
         #: (the releaser sends it), or None when nobody was waiting.
         self.handoff: str | None = None
+        #: Set by a claim that asked for it (``early_wake=True``, stores that can): the wake
+        #: payload of the waiter a release would wake as the claim left the list (its first
+        #: waiter never woken), so the releaser can send it before releasing; None when nobody
+        #: waited then. A guess: the release's own answer (``handoff``) decides.
+        self.next_wake: str | None = None
 
     # -- times (store clock) ------------------------------------------------------------------
     # (The first read converts under the lock: a renewal recorded by the renewer thread

@@ -93,6 +93,7 @@ class LeaseSettings:
     handoff: bool = True
     handoff_max_payload: int = DEFAULT_HANDOFF_MAX_PAYLOAD
     handoff_wake_queue: bool = True
+    handoff_early_wake: bool = True
     retention: float = DEFAULT_RETENTION
 
     def __repr__(self) -> str:
@@ -200,11 +201,11 @@ class LeaseSettings:
                     "with the back-off instead of in the wait list; to keep every task out of "
                     "the wait list set lease_handoff=False"
                 )
-        if "handoff_wake_queue" in values and not isinstance(values["handoff_wake_queue"], bool):
-            raise LeaseConfigError(
-                f"lease_handoff_wake_queue={show_value(values['handoff_wake_queue'])} must be "
-                "True or False"
-            )
+        for name in ("handoff_wake_queue", "handoff_early_wake"):
+            if name in values and not isinstance(values[name], bool):
+                raise LeaseConfigError(
+                    f"lease_{name}={show_value(values[name])} must be True or False"
+                )
         if values.get("on_busy", "retry") not in ON_BUSY:
             raise LeaseConfigError(
                 f"lease_on_busy={show_value(values['on_busy'])} must be one of "
@@ -391,5 +392,8 @@ SETTINGS_DOC = {
     "handoff_wake_queue": "workers consume a wake queue beside each task queue (Q.lease-wake) "
     "and a woken waiter's message goes there, not behind Q's backlog (Redis and AMQP brokers) "
     "(True)",
+    "handoff_early_wake": "on a store that can (Redis), a releasing task sends the next "
+    "waiter's wake message while its release's reply is on the way instead of after it, so the "
+    "release's round trip overlaps the wake's trip through the broker (True)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
 }

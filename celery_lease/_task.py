@@ -132,6 +132,16 @@ WOKEN_HEADER = "celery_lease_woken_at"
 #: a message delivered from that wake queue, so a copy sent elsewhere (a retry with queue=)
 #: never follows a stale one.
 ROUTE_HEADER = "celery_lease_wake_route"
+#: In a wake sent with the release that hands the resource over (an early wake, see
+#: ``_release``): how many more times this copy, refused because that release has not landed
+#: yet, is sent again after a short delay (``EARLY_RETRY_DELAYS``). Such a copy claims without
+#: re-arming its place, so the release still wakes it (the releaser sent that wake already).
+EARLY_HEADER = "celery_lease_early"
+EARLY_RETRY_DELAYS = (0.02, 0.1, 0.5)
+#: An early wake only follows a body shorter than this (seconds): the claim's guess at the
+#: next waiter grows stale as the body runs (a back-stop copy re-arms it with a new message),
+#: and past a few seconds the round trip it saves is noise.
+EARLY_WAKE_MAX_HELD = 5.0
 #: When (wall clock, seconds since the epoch) this execution's claims began to fail.
 STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: In a waiter's wake message: when (wall clock, whole seconds since the epoch) the refused
@@ -154,6 +164,9 @@ DONE_RECHECKS = (1.0, 2.0, 4.0)
 #: Lost-lease reasons that mean the lease ran out while the body was still running.
 EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runtime"})
 
+#: What a claim passes a store that can tell the next waiter (see Lease.next_wake).
+_EARLY_WAKE: dict[str, Any] = {"early_wake": True}
+_NO_EXTRA: dict[str, Any] = {}
 #: The series every claim and release counts (looked up once, not per task).
 _CLAIMED = events.Recorder(
     metrics.Series("c", "celery_lease_claims_total"),
@@ -219,6 +232,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_handoff: bool | None = None
     lease_handoff_max_payload: int | None = None
     lease_handoff_wake_queue: bool | None = None
+    lease_handoff_early_wake: bool | None = None
     lease_retention: float | None = None
 
     _lease_settings_cache: tuple[int, LeaseSettings] | None = None  # (Resolved.generation, ..)
@@ -375,7 +389,17 @@ class LeaseTask(Task):  # type: ignore[misc]
         waiting = (
             settings.handoff and identity is not None and settings.on_busy == "retry" and not direct
         )
-        if waiting:
+        # Sent before the release that wakes it (see _release): its claim must not re-arm the
+        # place, which that release may not have woken yet (it then wakes it, not again).
+        early = waiting and _header(request, EARLY_HEADER) is not None
+        extra = (
+            _EARLY_WAKE
+            if settings.handoff
+            and settings.handoff_early_wake
+            and getattr(store, "supports_early_wake", False)
+            else _NO_EXTRA
+        )
+        if waiting and not early:
             wait = self._wake_payload(request, args, kwargs, settings)
             # (ASCII-only JSON: its length is its size in bytes)
             if wait is not None and len(wait[0]) > settings.handoff_max_payload:
@@ -393,9 +417,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._drop_if_finished(request, resource)
         claim_started = _clock.monotonic()
         try:
-            if wait is None:
-                lease = store.acquire(resource, owner, settings.ttl, identity=identity)
-            else:
+            if wait is not None:
                 lease = store.acquire(
                     resource,
                     owner,
@@ -406,7 +428,19 @@ class LeaseTask(Task):  # type: ignore[misc]
                     # (so a copy of an older attempt, a back-stop sent before a retry, never
                     # takes over the place and wake of this identity's newer attempt)
                     attempt=request.retries or 0,
+                    **extra,
                 )
+            elif early:
+                lease = store.acquire(
+                    resource,
+                    owner,
+                    settings.ttl,
+                    identity=identity,
+                    attempt=request.retries or 0,
+                    **extra,
+                )
+            else:
+                lease = store.acquire(resource, owner, settings.ttl, identity=identity, **extra)
         except IdentityDoneError as done:
             _observe_acquire(claim_started, "duplicate")
             return self._duplicate_done(done)
@@ -430,10 +464,10 @@ class LeaseTask(Task):  # type: ignore[misc]
             # The claim's outcome is unknown; if it happened, the lease expires within its ttl.
             # One sent with a place to wake may have been refused and listed it: the next
             # release then wakes a copy of this message.
-            listed = wait is not None and not exc.refused
+            listed = (wait is not None or early) and not exc.refused
             return self._store_down(exc, settings, resource, listed)
         claim_seconds = _clock.monotonic() - claim_started
-        if wait is not None:
+        if wait is not None or early:
             woken = _header(request, WOKEN_HEADER)
             if woken is not None:
                 with contextlib.suppress(TypeError, ValueError):
@@ -722,7 +756,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 return self._requeue(
                     done,
                     DONE_RECHECKS[checks],
-                    {DONE_CHECKS_HEADER: checks + 1, WOKEN_HEADER: None},
+                    {DONE_CHECKS_HEADER: checks + 1, WOKEN_HEADER: None, EARLY_HEADER: None},
                     store=False,
                 )
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
@@ -832,7 +866,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             if hold is not None:
                 renewer.drop(hold)
             _current.reset(context_token)
-            self._release(lease, identity_outcome(outcome, attempt), result, held_since=started)
+            self._release(
+                lease, identity_outcome(outcome, attempt), result, held_since=started, early=True
+            )
         failpoints.hit("after_ledger_before_ack")
         return result
 
@@ -857,12 +893,46 @@ class LeaseTask(Task):  # type: ignore[misc]
             _task_stack.pop()
 
     def _release(
-        self, lease: Lease, outcome: str, result: Any, held_since: float | None = None
+        self,
+        lease: Lease,
+        outcome: str,
+        result: Any,
+        held_since: float | None = None,
+        early: bool = False,
     ) -> None:
         """Give the lease back (recording the identity's outcome) and wake the next waiter;
-        with ``held_since`` (monotonic), also record how long the lease was held."""
+        with ``held_since`` (monotonic), also record how long the lease was held.
+
+        With ``early`` (a body that ran and ended, not lost), the waiter the claim said a
+        release would wake (``lease.next_wake``, stores that tell) is woken once the release is
+        sent, while its reply is awaited, instead of after it: the release's round trip then
+        overlaps the wake's trip through the broker. The release's answer decides: when it
+        hands the resource to that same message nothing more is sent; otherwise its own wake
+        is sent as usual, and the early copy is one more copy of a listed waiter (identity
+        dedup runs the body once). A copy that comes before the release landed (the store
+        read the two out of order) is refused and sent again shortly (``EARLY_HEADER``); if
+        the release never lands, the lease runs out and the waiter's copies claim it as after
+        any crash."""
         assert lease.store is not None
         failpoints.hit("inside_release")
+        sent: list[str] = []
+        meanwhile: dict[str, Any] = _NO_EXTRA
+        upcoming, lease.next_wake = lease.next_wake, None
+        if (
+            early
+            and upcoming is not None
+            and held_since is not None
+            and lease.lost is None
+            and _clock.monotonic() - held_since < EARLY_WAKE_MAX_HELD
+            and lease.remaining() > 0
+        ):
+
+            def wake_early() -> None:  # (the store runs it once its release is sent)
+                if self._wake(upcoming, lease.resource, "release", lease.fence, early=True):
+                    sent.append(upcoming)
+                failpoints.hit("after_early_wake")
+
+            meanwhile = {"meanwhile": wake_early}
         recorded = None
         if lease.identity is not None and outcome == "done":
             try:
@@ -880,6 +950,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 lease,
                 outcome=outcome if lease.identity is not None else None,
                 result=recorded,
+                **meanwhile,
             )
             if released:
                 self._log(
@@ -904,6 +975,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                     events.observe_hold(held)
         if lease.handoff is not None:
             payload, lease.handoff = lease.handoff, None
+            if sent and payload == sent[0]:
+                return  # that waiter's wake went out with the release
             failpoints.hit("before_wake")
             self._wake(payload, lease.resource, "release", lease.fence)
             failpoints.hit("after_wake")
@@ -983,15 +1056,26 @@ class LeaseTask(Task):  # type: ignore[misc]
             keep = cache[waits] = longest + settings.ttl + 10.0
         return keep
 
-    def _wake(self, payload: str, resource: str, by: str, fence: int | None = None) -> None:
+    def _wake(
+        self,
+        payload: str,
+        resource: str,
+        by: str,
+        fence: int | None = None,
+        early: bool = False,
+    ) -> bool:
         """Send a woken waiter's message now (a lost send leaves its back-stop copy);
         ``fence``: the waker's (the releaser's, or the last holder's), which a message listed
-        at its first claim takes as its waiting execution's start (see LINEAGE_HEADER)."""
+        at its first claim takes as its waiting execution's start (see LINEAGE_HEADER);
+        ``early``: sent before the release that hands the resource over (EARLY_HEADER).
+        Returns whether it was sent."""
         try:
             message = json.loads(payload)
             options = message["options"]
             headers = options.setdefault("headers", {})
             headers[WOKEN_HEADER] = _clock.wall()
+            if early:
+                headers[EARLY_HEADER] = len(EARLY_RETRY_DELAYS)
             if fence is not None:
                 headers.setdefault(LINEAGE_HEADER, fence)
             via = headers.pop(ROUTE_HEADER, None)
@@ -1005,8 +1089,9 @@ class LeaseTask(Task):  # type: ignore[misc]
                 resource,
                 exc,
             )
-            return
+            return False
         events.count("celery_lease_handoffs_total", by=by)
+        return True
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(
@@ -1040,6 +1125,26 @@ class LeaseTask(Task):  # type: ignore[misc]
             payload, busy.wake = busy.wake, None
             self._wake(payload, busy.resource or "?", "claim", busy.fence)
         waits = int(_header(request, WAITS_HEADER) or 0)
+        left = min(_count(_header(request, EARLY_HEADER)), len(EARLY_RETRY_DELAYS))
+        if left and not duplicate:
+            # Woken with a release (see _release) that had not landed when it claimed: its
+            # claim left the place as it was, for that release to wake. Soon again.
+            delay = EARLY_RETRY_DELAYS[len(EARLY_RETRY_DELAYS) - left]
+            self._log(
+                "busy",
+                logging.INFO,
+                busy.resource,
+                busy.fence,
+                busy.holder_label,
+                action="early wake: sent again",
+                wait=f"{delay:.2f}s",
+            )
+            return self._requeue(
+                busy,
+                delay,
+                {EARLY_HEADER: left - 1 if left > 1 else None},
+                store=self.track_started or not waits,
+            )
         if waits >= settings.busy_max_waits and not duplicate:
             # A late copy of a waiter that gave up already (its other copy was refused at its
             # last allowed wait first): the task's FAILURE is stored and its errbacks ran.
@@ -1106,6 +1211,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             STORE_WAITS_HEADER: None,
             STORE_DOWN_HEADER: None,
             WOKEN_HEADER: None,
+            EARLY_HEADER: None,
         }
         if busy.fence is not None and _header(request, LINEAGE_HEADER) is None:
             # This waiting execution's start. Refused by a run of this very identity (a
@@ -1205,7 +1311,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
         updates: dict[str, Any] = {STORE_WAITS_HEADER: waits + 1, STORE_DOWN_HEADER: since}
         if copy_of_waiter:
-            updates[WOKEN_HEADER] = None
+            updates[WOKEN_HEADER] = updates[EARLY_HEADER] = None
             if not busy_waits:
                 updates[WAITS_HEADER] = 1
             return self._requeue(exc, delay, updates, store=False)
@@ -1511,6 +1617,14 @@ def _take_sent_route(request: Any) -> None:
     request.lease_wake_queue = via
 
 
+def _count(value: Any) -> int:
+    """A count header's value (0 when absent or not a whole number)."""
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def _header(request: Any, name: str) -> Any:
     """A message header: top-level on a worker's request, in ``headers`` under apply()."""
     value = request.get(name)
@@ -1527,6 +1641,7 @@ _WAKE_DROPPED = frozenset(
         STORE_WAITS_HEADER,
         STORE_DOWN_HEADER,
         WOKEN_HEADER,
+        EARLY_HEADER,
         ROUTE_HEADER,
         LISTED_HEADER,
         DONE_CHECKS_HEADER,

@@ -62,6 +62,11 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     again by a later release, so no release wakes nobody while a re-armed waiter is listed.
     A claim refused by a head nobody woke gets the head's payload in ``LeaseBusyError.wake``
     (the releaser died before waking it).
+15. Optional (stores with ``supports_early_wake``): ``acquire(..., early_wake=True)`` also
+    returns, with the lease, the wake payload a release would send if it ran then (``14``:
+    the first waiter never woken, none while a wake is in flight) in ``Lease.next_wake``, in
+    the same round trip. It changes nothing in the store. On such a store a claim without
+    ``wait`` by a listed identity leaves its place as it is when refused (not re-armed, 12).
 """
 
 from __future__ import annotations
@@ -536,6 +541,9 @@ class BaseLeaseStore:
         self.wait_bytes_cap = DEFAULT_WAIT_BYTES_CAP
         #: Seconds the free resource is held for a woken head waiter (see invariant 13).
         self.handoff_grace = DEFAULT_HANDOFF_GRACE
+
+    #: Whether ``acquire(..., early_wake=True)`` sets ``Lease.next_wake`` (invariant 15).
+    supports_early_wake = False
 
     # The checks run before any I/O so bad input never reaches a store.
     def _claim_args(self, resource: str, owner: Owner, ttl: float) -> float:

@@ -53,7 +53,9 @@ RENEW_HOLD = 1.0  # > ttl/3: a renewal (inside_renew) happens during the hold
 # before_wake and after_wake fire only when a release hands the resource to a waiter; these
 # trials run on distinct resources, so they never fire here (tests/integration/test_handoff*.py
 # kill there).
-SITES = tuple(site for site in ALL_SITES if site not in ("before_wake", "after_wake"))
+SITES = tuple(
+    site for site in ALL_SITES if site not in ("before_wake", "after_wake", "after_early_wake")
+)
 ALL_KILL = ",".join(f"{site}=kill" for site in SITES)
 
 

@@ -113,6 +113,7 @@ def test_a_waiter_still_runs_once_when_its_releaser_dies_before_waking_it(
         **env,
         "CELERY_LEASE_FAILPOINTS": "before_wake=kill",
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+        "CL_EARLY_WAKE": "0",  # (these failpoints stop a wake sent after the release)
     }
     start_worker(killer, queue=queue, pool="threads", concurrency=2)
     n = unique("f")

@@ -212,6 +212,7 @@ def test_a_worker_killed_after_the_failed_release_leaves_a_failure(
             **env,
             "CELERY_LEASE_FAILPOINTS": "before_wake=kill",
             "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+            "CL_EARLY_WAKE": "0",  # (these failpoints stop a wake sent after the release)
         },
         queue=qb,
         pool="prefork",
@@ -264,6 +265,7 @@ def test_a_chord_member_killed_after_the_failed_release_fails_its_chord(
     failpoints = {
         "CELERY_LEASE_FAILPOINTS": "before_wake=kill" if crash == "kill" else "",
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+        "CL_EARLY_WAKE": "0",  # (these failpoints stop a wake sent after the release)
     }
     start_worker({**env, **failpoints}, queue=qb, pool="prefork", concurrency=2)
     n = unique("cc")

@@ -414,6 +414,7 @@ def test_a_late_woken_copy_on_an_unreachable_store_ends_unrun_after_its_waiter_s
         **env,
         "CELERY_LEASE_FAILPOINTS": "before_wake=sleep:10",
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+        "CL_EARLY_WAKE": "0",  # (these failpoints stop a wake sent after the release)
     }
     port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
     with TcpProxy(port) as proxy:

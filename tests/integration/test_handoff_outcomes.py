@@ -199,6 +199,7 @@ def test_a_copy_of_a_failed_execution_does_not_run_it_again(
     if first == "back-stop":
         env["CELERY_LEASE_FAILPOINTS"] = "before_wake=sleep:2.5"
         env["CELERY_LEASE_FAILPOINTS_ONCE"] = str(tmp_path / "once")
+        env["CL_EARLY_WAKE"] = "0"  # (the failpoint stops a wake sent after the release)
     start_worker(env, queue=queue, pool="threads", concurrency=3)
     n = unique("fc")
     holder = it_app.fifo_hold.apply_async((n, 0, 1.5), queue=queue)
@@ -257,6 +258,7 @@ def test_a_late_woken_copy_of_a_succeeded_waiter_does_not_run_its_success_path_a
         "CL_BACKOFF_CAP": "1.0",
         "CELERY_LEASE_FAILPOINTS": failpoints,
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+        "CL_EARLY_WAKE": "0",  # (these failpoints stop a wake sent after the release)
     }
     if check == "off":
         env["CL_FINISHED_READ"] = "off"

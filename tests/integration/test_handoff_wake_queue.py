@@ -204,6 +204,7 @@ def test_a_wake_sent_by_a_worker_killed_right_after_is_not_stranded(
         **env,
         "CELERY_LEASE_FAILPOINTS": "after_wake=kill",
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+        "CL_EARLY_WAKE": "0",  # (these failpoints stop a wake sent after the release)
     }
     held = unique("h")
     start_worker(killer, queue=f"{queue},{held}", pool="threads", concurrency=1)

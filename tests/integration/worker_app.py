@@ -60,6 +60,8 @@ if env.get("CL_NO_BACKEND"):  # no result backend (Celery's DisabledBackend)
     app.conf.result_backend = None
 if env.get("CL_WAKE_QUEUE"):  # unset: the library's default (on)
     app.conf.lease_handoff_wake_queue = env["CL_WAKE_QUEUE"] == "1"
+if env.get("CL_EARLY_WAKE"):  # unset: the library's default (on)
+    app.conf.lease_handoff_early_wake = env["CL_EARLY_WAKE"] == "1"
 if env.get("CL_HANDOFF"):  # unset: the library's default (on)
     app.conf.lease_handoff = env["CL_HANDOFF"] == "1"
 if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
@@ -583,6 +585,14 @@ if env.get("CL_DUPLICATE_REARM") == "off":
         return _lease_busy(self, busy, settings, **kw)
 
     LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
+
+
+if env.get("CL_EARLY_RETRY") == "off":
+    # Negative control of test_handoff_early_wake.py: an early-woken copy refused before the
+    # release landed is not sent again shortly; it waits with the back-off like other copies.
+    import celery_lease._task as _early_task_module
+
+    _early_task_module.EARLY_RETRY_DELAYS = ()
 
 
 if env.get("CL_FAILED_COPY") == "run":

@@ -721,9 +721,9 @@ def _count_commands(store, action):
     connections = store._connections
     original = connections._call
 
-    def counting(command, head):
+    def counting(command, head, meanwhile=None):
         sent.append(command)
-        return original(command, head)
+        return original(command, head, meanwhile)
 
     connections._call = counting
     try:
@@ -907,3 +907,74 @@ class TestRetriedWaiters:
         attempt_refused(astore, r, "a", 0)
         astore.release(lease)
         assert lease.handoff == "payload-a0"
+
+
+@pytest.fixture(params=("redis", "redis_cluster"))
+def estore(request, tmp_path):
+    """The stores that can tell the next waiter with a claim (invariant 15)."""
+    instance = make_store(request.param, request, tmp_path)
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+class TestEarlyWake:
+    """Invariant 15: a claim with ``early_wake=True`` names the waiter a release would wake."""
+
+    def test_a_claim_names_the_waiter_its_release_would_wake(self, estore, names):
+        r = names + "r"
+        assert estore.supports_early_wake
+        lease = estore.acquire(r, Owner.new("h"), LONG, identity="h", early_wake=True)
+        assert lease.next_wake is None  # nobody waits yet
+        for w in ("a", "b"):
+            refused(estore, r, w)
+        estore.release(lease)
+        assert lease.handoff == "payload-a"
+        lease = estore.acquire(r, Owner.new("a"), LONG, identity="a", early_wake=True)
+        assert lease.next_wake == "payload-b"  # a left the list: b is next
+        estore.release(lease)
+        assert lease.handoff == "payload-b"  # what the release then sent
+        lease = claim(estore, r, "b")  # without early_wake: nothing said
+        assert lease.next_wake is None
+
+    def test_no_next_waiter_while_a_wake_is_in_flight(self, estore, names):
+        """A waiter listed ahead of the woken one (it missed its grace, then came) claims
+        while that wake is in flight: a release then wakes nobody, and the claim says so."""
+        estore.handoff_grace = 1.0
+        r = names + "r"
+        lease = claim(estore, r, "h")
+        for w in ("late", "b", "c"):
+            refused(estore, r, w)
+        estore.release(lease)
+        assert lease.handoff == "payload-late"
+        wait_for(lambda: not estore.waiters(r)[0].woken, 5, "the late head's grace to pass")
+        lease = claim(estore, r, "b")
+        estore.release(lease)
+        assert lease.handoff == "payload-c"  # the late head missed its grace: c is woken
+        lease = estore.acquire(r, Owner.new("late"), LONG, identity="late", early_wake=True)
+        assert lease.next_wake is None  # c's wake is in flight
+        estore.release(lease)
+        assert lease.handoff is None
+
+    def test_a_refused_claim_without_wait_leaves_the_place_as_it_is(self, estore, names):
+        """An early copy's claim (no wait payload) refused before the release landed: its
+        place stays woken-or-not as it was and keeps its payload, so the release wakes it
+        with the very message that was sent early."""
+        r = names + "r"
+        lease = claim(estore, r, "h")
+        refused(estore, r, "a")
+        with pytest.raises(LeaseBusyError) as caught:
+            estore.acquire(r, Owner.new("a"), LONG, identity="a", attempt=0)
+        assert caught.value.position is None
+        assert [(w.identity, w.woken) for w in estore.waiters(r)] == [("a", False)]
+        estore.release(lease)
+        assert lease.handoff == "payload-a"
+        estore.acquire(r, Owner.new("a"), LONG, identity="a", attempt=0)  # held for a
+        assert estore.waiters(r) == []
+
+    def test_other_stores_do_not_say(self, wstore, names):
+        if wstore.supports_early_wake:
+            pytest.skip("covered above")
+        lease = claim(wstore, names + "r", "h")
+        assert lease.next_wake is None

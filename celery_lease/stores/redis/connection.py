@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import LeaseConfigError, LeaseStoreError
@@ -98,6 +98,20 @@ class Translate:
             ) from exc
 
 
+class _Once:
+    """A callable that runs ``fn`` on its first call only."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
 class Script:
     """A Lua script of one store: EVALSHA, loading it once when the server lacks it.
 
@@ -113,16 +127,25 @@ class Script:
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
     def __call__(
-        self, keys: Sequence[str], args: Sequence[Any], via: Connections | None = None
+        self,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        via: Connections | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> Any:
+        """Run the script; ``meanwhile`` (called once) runs while its reply is awaited."""
         connections = self.connections if via is None else via
+        once = _Once(meanwhile) if meanwhile is not None else None
         try:
-            return connections.evalsha(self.sha, keys, args)
+            return connections.evalsha(self.sha, keys, args, once)
         except redis.exceptions.NoScriptError:
             # The server lost its script cache (a restart). SCRIPT LOAD + EVALSHA, not EVAL:
             # the least-privilege ACL grants evalsha and script|load only.
             self.load(connections)
-            return connections.evalsha(self.sha, keys, args)
+            return connections.evalsha(self.sha, keys, args, once)
+        finally:
+            if once is not None:
+                once()  # (the call failed before it was sent: run it all the same)
 
     def load(self, via: Connections | None = None) -> None:
         """Make sure the server has the script (one round trip)."""
@@ -154,17 +177,27 @@ class Connections:
         #: (sha, keys) -> "EVALSHA sha numkeys keys..." packed, without the count line.
         self._heads: dict[tuple[Any, ...], tuple[int, bytes]] = {}
 
-    def evalsha(self, sha: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def evalsha(
+        self,
+        sha: str,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> Any:
         """``EVALSHA sha len(keys) *keys *args``.
 
         With hiredis, the command's head (up to the keys: the same few per script and shard) is
         packed once and kept, and only the arguments are packed per call: hiredis formats each
         argument's length with sprintf, and a claim's 21 arguments cost more to pack than the
         rest of the call. The bytes sent are the same as packing the whole command.
+
+        ``meanwhile`` runs once the command is sent, before its reply is read (before the
+        command, through a client without a plain connection pool); a connection tried again
+        does not run it again when it is a :class:`_Once`.
         """
         pack = self.pack
         if self.pool is None or pack is None or len(keys) > _HEAD_KEYS:
-            return self.execute("EVALSHA", sha, len(keys), *keys, *args)
+            return self._call(("EVALSHA", sha, len(keys), *keys, *args), None, meanwhile)
         cache_key = (sha, *keys)
         head = self._heads.get(cache_key)
         if head is None:
@@ -173,15 +206,22 @@ class Connections:
             head = (len(keys) + 3, packed[packed.index(b"\r\n") + 2 :])
             if len(self._heads) < _MAX_HEADS:
                 self._heads[cache_key] = head
-        return self._call(tuple(args), head)
+        return self._call(tuple(args), head, meanwhile)
 
     def execute(self, *command: Any) -> Any:
         return self._call(command, None)
 
-    def _call(self, command: tuple[Any, ...], head: tuple[int, bytes] | None) -> Any:
+    def _call(
+        self,
+        command: tuple[Any, ...],
+        head: tuple[int, bytes] | None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> Any:
         """Send ``command`` and read its reply; with ``head`` (see :meth:`evalsha`), ``command``
-        is what follows the packed head."""
+        is what follows the packed head; ``meanwhile`` runs between the two."""
         if self.pool is None:
+            if meanwhile is not None:
+                meanwhile()
             return self.client.execute_command(*command)
         first: redis.exceptions.ConnectionError | None = None
         free = self.free
@@ -208,6 +248,8 @@ class Connections:
                     conn.send_packed_command((self.pack(command),), check_health=False)
                 else:
                     conn.send_command(*command)
+                if meanwhile is not None:
+                    meanwhile()
                 reply = conn.read_response()
             except redis.exceptions.ResponseError:
                 free.put(conn)  # a reply was read: the connection is in a clean state

@@ -194,12 +194,15 @@ ACQUIRE = (
 -- ARGV[9] wait list cap, ARGV[10] hand-off grace (us), ARGV[11] the most bytes of wake
 -- payloads the list holds (a new waiter that would pass it, or the cap, is not listed),
 -- ARGV[12] the claim's attempt or '' (a copy of an older attempt than the one listed for its
--- identity neither re-arms, replaces the payload of, nor claims as that waiter)
+-- identity neither re-arms, replaces the payload of, nor claims as that waiter),
+-- ARGV[13] '1' to get back, with the lease, the wake payload of the waiter a release would
+-- wake now (the first never woken, none while a wake is in flight), or ''
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
---          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil}
+--          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil,
+--          next wake payload|nil}
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate,
 --          position, wake payload|nil}
 --         (duplicate 1 when the holder runs this same identity, else 0; position in the wait
@@ -400,7 +403,18 @@ if member then
   redis.call('HSET', KEYS[4], member, rec)
   redis.call('ZADD', KEYS[5], now + tonumber(ARGV[6]), member)
 end
-return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt}
+local nextp = false
+if ARGV[13] == '1' then
+  for _, w in ipairs(wl) do
+    local t = tonumber(w[4])
+    if t > now then break end  -- a wake in flight: a release now wakes nobody
+    if t == 0 then
+      nextp = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. w[1])
+      break
+    end
+  end
+end
+return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt, nextp}
 """
 )
 

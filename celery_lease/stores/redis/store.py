@@ -12,7 +12,7 @@ import builtins
 import logging
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._codec import decode, from_micros
@@ -98,6 +98,8 @@ class RedisLeaseStore(BaseLeaseStore):
             ``inspect conf`` and Flower show unmasked; ``lease_store_options={"password": ...}``
             is masked there.
     """
+
+    supports_early_wake = True
 
     def __init__(
         self,
@@ -238,6 +240,7 @@ class RedisLeaseStore(BaseLeaseStore):
         wait: str | None = None,
         wait_ttl: float = 120.0,
         attempt: int | None = None,
+        early_wake: bool = False,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
@@ -258,6 +261,7 @@ class RedisLeaseStore(BaseLeaseStore):
             max(1, round(self.handoff_grace * 1e6)),
             self.wait_bytes_cap,
             "" if attempt is None else attempt,
+            "1" if early_wake else "",
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):
@@ -292,13 +296,14 @@ class RedisLeaseStore(BaseLeaseStore):
             i_fence,
             i_label,
             ckpt,
-        ) = [*reply, None, None, None, None, None, None][:11]
+            next_wake,
+        ) = [*reply, None, None, None, None, None, None, None][:12]
         self._note_epoch(shard, epoch)
         prev_label, prev_fence = previous_owner(prev_label, prev_fence, i_label, i_fence)
         checkpoints = None
         if ckpt is not None:
             checkpoints = decode(_text(ckpt).split("\n", 1)[1])
-        return Lease(
+        lease = Lease(
             resource=resource,
             owner=owner,
             fence=int(fence),
@@ -315,6 +320,9 @@ class RedisLeaseStore(BaseLeaseStore):
             identity_owner_label=None if i_state is None or i_label is None else _text(i_label),
             identity_fence=None if i_state is None or not i_fence else int(i_fence),
         )
+        if next_wake is not None:
+            lease.next_wake = _text(next_wake)
+        return lease
 
     def _renew_call(
         self,
@@ -377,8 +385,15 @@ class RedisLeaseStore(BaseLeaseStore):
             raise self._lost_from(lease, items[0])
 
     def release(
-        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
+        self,
+        lease: Lease,
+        *,
+        outcome: str | None = None,
+        result: str | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> bool:
+        """See :meth:`LeaseStore.release`; ``meanwhile`` (called once, also when the call
+        fails) runs while the release's reply is awaited: the command is on its way first."""
         self._renew_ttl(lease, None)
         shard = self.shard_of(lease.resource)
         grace = max(1, round(self.handoff_grace * 1e6))
@@ -401,7 +416,7 @@ class RedisLeaseStore(BaseLeaseStore):
             ]
             script = self._release_outcome
         with self._run("release of %r", lease.resource):
-            done = script(keys=keys, args=args)
+            done = script(keys=keys, args=args, meanwhile=meanwhile)
         if isinstance(done, list):  # handed over to the head waiter
             lease.handoff = None if done[1] is None else _text(done[1])
             return True

@@ -1,0 +1,119 @@
+"""The early wake with real workers (issue 10): the next waiter's message goes out while the
+release's reply is on its way (``lease_handoff_early_wake``, Redis).
+
+H holds, then W1 and W2 join the wait list. When H releases, W1 claims, and its claim names
+W2 as the waiter a release would wake. Worker A runs H and W1 and reaches the store through a
+proxy that delays every chunk (from W1's start on), so W1's release reaches the store well
+after the early wake reached worker B, which runs W2 ("W" below) and reaches the store
+directly: W's early copy is refused before the release lands.
+Its claim must leave W's place as it was (the release then hands the resource to W without
+sending a second wake) and the copy must come again shortly, not wait for the back-off or its
+back-stop copy. Negative control (``CL_EARLY_RETRY=off``: a refused early copy waits with the
+back-off like other copies): W starts only after the back-off's first wait (5 s or more here).
+A releaser SIGKILLed once it sent its release and the early wake, before the reply came back,
+still leaves W to run exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import unique
+from tests.tooling.servers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
+
+#: A back-off that is slow to come back (5 s doubling, capped at 10) and a 10 s ttl: a refused
+#: early copy that is not sent again shortly is seen waiting seconds.
+ENV = {"CL_TTL": "10", "CL_BACKOFF_BASE": "5", "CL_BACKOFF_CAP": "10"}
+LATENCY = 0.3  # seconds each way on worker A's store connection
+
+
+def _hand_over(it_app, start_worker, store_env, events, queue, coord, extra_b, extra_a):
+    """H, then W1 (worker A, store behind the delaying proxy) hold; W (worker B) waits.
+    Returns (W1's exit time, W's enter events, W's result, worker B)."""
+    from tests.tooling.proxy import TcpProxy
+
+    env = {**store_env("redis"), **ENV}
+    port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        env_a = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), **extra_a}
+        qa, qb = queue + "a", queue + "b"
+        start_worker(env_a, queue=qa, pool="threads", concurrency=2)
+        worker_b = start_worker({**env, **extra_b}, queue=qb, pool="threads", concurrency=2)
+        n = unique("ew")
+        # both workers warm (connections open, scripts loaded)
+        assert it_app.fifo_hold.apply_async((n + "a", 9, 0.0), queue=qa).get(timeout=30) == 9
+        assert it_app.fifo_hold.apply_async((n + "b", 9, 0.0), queue=qb).get(timeout=30) == 9
+        exited, waiter = _queue_and_release(it_app, events, coord, proxy, n, qa, qb)
+        result = waiter.get(timeout=60)
+        proxy.set_latency(0)
+    return exited, events.where(ev="enter", res=n, k=2), result, worker_b
+
+
+def _queue_and_release(it_app, events, coord, proxy, n, qa, qb):
+    """H and W1 on qa (worker A), W (W2) on qb; returns W1's exit time (None when it did not
+    report one) and W's result."""
+    go_h, go_w1 = events.key_for("go-h"), events.key_for("go-w1")
+    it_app.fifo_gate.apply_async((n, 0, go_h), queue=qa)
+    events.wait(ev="enter", res=n, k=0)
+    first = it_app.fifo_gate.apply_async((n, 1, go_w1), queue=qa)
+    events.wait(ev="retry", task=first.id)  # listed
+    waiter = it_app.fifo_hold.apply_async((n, 2, 0.1), queue=qb)
+    events.wait(ev="retry", task=waiter.id)  # listed behind W1
+    coord.rpush(go_h, 1)  # H ends; W1 is woken and claims (its claim names W as next)
+    events.wait(ev="enter", res=n, k=1)
+    proxy.set_latency(LATENCY)
+    coord.rpush(go_w1, 1)  # W1 ends: its release goes out slowly, the early wake at once
+    try:
+        events.wait(ev="exit", res=n, k=1, timeout=10)
+    except Exception:  # killed before it reported
+        return None, waiter
+    return events.where(ev="exit", res=n, k=1)[0]["t"], waiter
+
+
+@pytest.mark.parametrize("retry", ["on", "off"])
+def test_an_early_copy_refused_before_the_release_landed_comes_again_shortly(
+    it_app, start_worker, store_env, events, queue, coord, retry
+):
+    """Failed before the fix as the negative control does (W started 5 s or more after H
+    ended): a refused early copy re-armed nothing and waited with the back-off."""
+    extra_b = {"CL_EARLY_RETRY": "off"} if retry == "off" else {}
+    exited, entered, result, worker_b = _hand_over(
+        it_app, start_worker, store_env, events, queue, coord, extra_b, {}
+    )
+    assert result == 2
+    assert len(entered) == 1, f"W's body ran {len(entered)} times"
+    late = entered[0]["t"] - exited
+    print(f"[{retry}] W started {late:.2f} s after W1 ended")
+    if retry == "off":
+        assert late >= 4.0
+        return
+    assert "early wake: sent again" in worker_b.log()  # the race this test sets up happened
+    assert late < 3.0
+
+
+def test_a_releaser_killed_after_its_early_wake_leaves_the_waiter_to_run_once(
+    it_app, start_worker, store_env, events, queue, coord, tmp_path
+):
+    """SIGKILL once the release and the early wake are sent, before the reply is read."""
+    kill = {
+        "CELERY_LEASE_FAILPOINTS": "after_early_wake=kill",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+    from tests.tooling.proxy import TcpProxy
+
+    env = {**store_env("redis"), **ENV}
+    port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        env_a = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), **kill}
+        qa, qb = queue + "a", queue + "b"
+        start_worker(env_a, queue=qa, pool="threads", concurrency=2)
+        start_worker(env, queue=qb, pool="threads", concurrency=2)
+        n = unique("ek")
+        _, waiter = _queue_and_release(it_app, events, coord, proxy, n, qa, qb)
+        wait_for((tmp_path / "once.after_early_wake").exists, 30, "the failpoint to fire")
+        assert waiter.get(timeout=60) == 2
+        proxy.set_latency(0)
+    entered = events.where(ev="enter", res=n, k=2)
+    assert len(entered) == 1, f"W's body ran {len(entered)} times"
