@@ -50,6 +50,7 @@ app.conf.update(
     lease_key_prefix="celery_lease_hot:",
     lease_table_prefix="celery_lease_hot_",
     lease_handoff=True,
+    lease_handoff_early_wake=env.get(f"{PREFIX}EARLY_WAKE", "1") == "1",
 )
 
 RESOURCE = "hot/{run}"

@@ -297,6 +297,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-relay", action="store_true", help="skip the relay (the broker hand-off floor)"
     )
+    parser.add_argument(
+        "--no-early-wake",
+        action="store_true",
+        help="lease_handoff_early_wake=False: wake after the release's reply (the baseline)",
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run (240)")
     parser.add_argument("--json", help="write every figure and the environment here")
     args = parser.parse_args(argv)
@@ -328,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ENV_PREFIX}REDIS_STORE": urls.get("redis", ""),
                 f"{ENV_PREFIX}PG_STORE": urls.get("postgres", ""),
                 f"{ENV_PREFIX}SQLITE_STORE": urls.get("sqlite", ""),
+                f"{ENV_PREFIX}EARLY_WAKE": "0" if args.no_early_wake else "1",
             }
             stack.enter_context(bench_env(values))
             bench = Bench(args, urls, logdir)
