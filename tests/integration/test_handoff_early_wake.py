@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unique
-from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
 
@@ -101,19 +100,9 @@ def test_a_releaser_killed_after_its_early_wake_leaves_the_waiter_to_run_once(
         "CELERY_LEASE_FAILPOINTS": "after_early_wake=kill",
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
     }
-    from tests.tooling.proxy import TcpProxy
-
-    env = {**store_env("redis"), **ENV}
-    port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
-    with TcpProxy(port) as proxy:
-        env_a = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), **kill}
-        qa, qb = queue + "a", queue + "b"
-        start_worker(env_a, queue=qa, pool="threads", concurrency=2)
-        start_worker(env, queue=qb, pool="threads", concurrency=2)
-        n = unique("ek")
-        _, waiter = _queue_and_release(it_app, events, coord, proxy, n, qa, qb)
-        wait_for((tmp_path / "once.after_early_wake").exists, 30, "the failpoint to fire")
-        assert waiter.get(timeout=60) == 2
-        proxy.set_latency(0)
-    entered = events.where(ev="enter", res=n, k=2)
+    _, entered, result, _ = _hand_over(
+        it_app, start_worker, store_env, events, queue, coord, {}, kill
+    )
+    assert (tmp_path / "once.after_early_wake").exists()  # W1's worker was killed there
+    assert result == 2
     assert len(entered) == 1, f"W's body ran {len(entered)} times"
