@@ -1142,10 +1142,15 @@ class LeaseTask(Task):  # type: ignore[misc]
             return self._requeue(
                 busy,
                 delay,
-                {EARLY_HEADER: left - 1 if left > 1 else None},
+                # (0 after the last: still an early copy, see the give-up below)
+                {EARLY_HEADER: left - 1},
                 store=self.track_started or not waits,
             )
-        if waits >= settings.busy_max_waits and not duplicate:
+        early_copy = _header(request, EARLY_HEADER) is not None
+        if waits >= settings.busy_max_waits and not duplicate and not early_copy:
+            # (An early copy refused past its short retries is not given up: the release
+            # that woke it may not have landed yet, and it sends no second wake for it. It
+            # waits on with the back-off, as a woken copy without the early header.)
             # A late copy of a waiter that gave up already (its other copy was refused at its
             # last allowed wait first): the task's FAILURE is stored and its errbacks ran.
             self._drop_if_finished(request, busy.resource or "?", done=True)
