@@ -1125,7 +1125,8 @@ class LeaseTask(Task):  # type: ignore[misc]
             payload, busy.wake = busy.wake, None
             self._wake(payload, busy.resource or "?", "claim", busy.fence)
         waits = int(_header(request, WAITS_HEADER) or 0)
-        left = min(_count(_header(request, EARLY_HEADER)), len(EARLY_RETRY_DELAYS))
+        early = _header(request, EARLY_HEADER)
+        left = min(_count(early), len(EARLY_RETRY_DELAYS))
         if left and not duplicate:
             # Woken with a release (see _release) that had not landed when it claimed: its
             # claim left the place as it was, for that release to wake. Soon again.
@@ -1146,13 +1147,12 @@ class LeaseTask(Task):  # type: ignore[misc]
                 {EARLY_HEADER: left - 1},
                 store=self.track_started or not waits,
             )
-        early_copy = _header(request, EARLY_HEADER) is not None
-        if waits >= settings.busy_max_waits and not duplicate and not early_copy:
+        if waits >= settings.busy_max_waits and not duplicate and early is None:
+            # A late copy of a waiter that gave up already (its other copy was refused at its
+            # last allowed wait first): the task's FAILURE is stored and its errbacks ran.
             # (An early copy refused past its short retries is not given up: the release
             # that woke it may not have landed yet, and it sends no second wake for it. It
             # waits on with the back-off, as a woken copy without the early header.)
-            # A late copy of a waiter that gave up already (its other copy was refused at its
-            # last allowed wait first): the task's FAILURE is stored and its errbacks ran.
             self._drop_if_finished(request, busy.resource or "?", done=True)
             raise LeaseBusyError(
                 f"{busy} (gave up after {waits} busy waits; raise lease_busy_max_waits to wait "
