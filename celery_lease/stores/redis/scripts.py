@@ -25,11 +25,17 @@ so no user input ever becomes part of a lease key name or pattern):
 <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
 <prefix>{NN}:waits     hash   resource -> the FIFO wait list, one line per waiter, oldest
                               first: "<identity> <since_us> <expires_us> <woken_until_us>"
-                              and " <attempt>" when a retried attempt (> 0) was listed
+                              and " <attempt>" when a retried attempt (> 0) was listed;
+                              "!<resource>" -> until when nothing is held for a woken head
+                              (a wake missed its grace lately); "!!<resource>" -> the grace
+                              end of the latest wake, dropped once that waiter leaves the list
+                              or is re-armed (a release reads every line only while it lies
+                              ahead: a wake may be in flight)
 <prefix>{NN}:wpay      hash   "<resource>|<identity>" -> the waiter's wake payload (the
                               message its task sends again when woken), opaque text
-<prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us): the
-                              sweep drops wait lists nobody touched again through it
+<prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us; never
+                              earlier, it may be later: a woken head's claim leaves it as it
+                              was): the sweep drops wait lists nobody touched again through it
 ```
 
 ``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
@@ -115,7 +121,7 @@ local function wl_load(wkey, pkey, res, now, hold, got)
 end
 local function wl_save(wkey, xkey, res, list)
   if #list == 0 then
-    redis.call('HDEL', wkey, res, '!' .. res)
+    redis.call('HDEL', wkey, res, '!' .. res, '!!' .. res)
     redis.call('ZREM', xkey, res)
     return
   end
@@ -158,12 +164,44 @@ local tok, f = string.match(cur, '^(%x+) (%d+) ')
 if tok ~= ARGV[2] or f ~= ARGV[3] then return 0 end
 redis.call('HDEL', KEYS[{leases}], ARGV[1])
 redis.call('ZREM', KEYS[{expiry}], ARGV[1])
-local waiting = redis.call('HMGET', KEYS[{waits}], ARGV[1], '!' .. ARGV[1])
+local waiting = redis.call('HMGET', KEYS[{waits}], ARGV[1], '!' .. ARGV[1], '!!' .. ARGV[1])
 if not waiting[1] then return 1 end  -- nobody waits: nothing to hand over
 {_NOW + _WAITS if lazy else ""}
 -- a missed wake stops holding the resource for woken heads for 10 graces
-local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now,
-  10 * tonumber(ARGV[{grace}]), waiting)
+local hold = 10 * tonumber(ARGV[{grace}])
+if tonumber(waiting[3] or '0') <= now then
+  -- No wake in flight (the latest wake's grace is over, or its waiter left or was re-armed):
+  -- wake the first line never woken, read up to it, and edit that line in the text instead of
+  -- reading and rewriting every line; the full path below would change no other line (the
+  -- expired lines are dropped, and the missed wakes behind it counted, by the next full load).
+  local slow = tonumber(waiting[2] or '0')
+  local until_ = now + tonumber(ARGV[{grace}])
+  for at, id, since, e, w, after in string.gmatch(
+      waiting[1], '()([^ \\n]+) (%d+) (%d+) (%d+)()') do
+    local woken = tonumber(w)
+    if tonumber(e) > now and woken == 0 then
+      local last = tonumber(e)
+      if until_ > last then last = until_ end
+      redis.call('HSET', KEYS[{waits}], ARGV[1],
+        string.sub(waiting[1], 1, at - 1) .. id .. ' ' .. since .. ' ' .. fmt(last) .. ' ' ..
+        fmt(until_) .. string.sub(waiting[1], after), '!!' .. ARGV[1], fmt(until_))
+      local kept = redis.call('ZSCORE', KEYS[{waits + 2}], ARGV[1])
+      if not kept or tonumber(kept) < last then
+        redis.call('ZADD', KEYS[{waits + 2}], last, ARGV[1])
+      end
+      if slow > tonumber(waiting[2] or '0') then
+        redis.call('HSET', KEYS[{waits}], '!' .. ARGV[1], fmt(slow))
+      end
+      return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. id), id}}
+    end
+    if woken ~= 0 and woken + hold > slow then slow = woken + hold end  -- (woken <= now)
+  end
+  if slow > tonumber(waiting[2] or '0') then
+    redis.call('HSET', KEYS[{waits}], '!' .. ARGV[1], fmt(slow))
+  end
+  return 1
+end
+local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now, hold, waiting)
 local woke = nil
 for _, w in ipairs(wl) do
   local t = tonumber(w[4])
@@ -179,6 +217,7 @@ if not woke then
 end
 wl_wake(woke, now + tonumber(ARGV[{grace}]))
 wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl)
+redis.call('HSET', KEYS[{waits}], '!!' .. ARGV[1], woke[4])
 return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. woke[1]), woke[1]}}
 """
 
@@ -243,8 +282,48 @@ local prev_label, prev_fence = false, false
 local fence = nil
 local acquired, exp = now, now + tonumber(ARGV[4])
 local ckpt = false
--- a missed wake stops holding the resource for woken heads for 10 graces
-local wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now, 10 * tonumber(ARGV[10]))
+local wgot = redis.call('HMGET', KEYS[7], ARGV[1], '!' .. ARGV[1], '!!' .. ARGV[1])
+-- "!!<resource>": when the grace of the latest wake ends (us). At most one wake is in flight;
+-- once this passed, or that waiter left the list or was re-armed (then it is dropped), no line
+-- is woken less than the grace ago and a release need not read every line to know it.
+local function in_flight_gone() redis.call('HDEL', KEYS[7], '!!' .. ARGV[1]) end
+-- The hand-off's usual claim: the resource is free (or its lease ran out) and this claimant is
+-- the list's first waiter (not expired, not a copy of an older attempt). Whatever the list
+-- holds behind it, the full path below would take the resource, drop this waiter's line and
+-- change no other line (expired lines are dropped whenever a full load meets them, and a
+-- missed wake behind the head counts then too). So the first line is cut off the text
+-- instead of reading and rewriting every line (most of a woken claim's cost on a long list);
+-- `rest`: the lines behind it, or nil (the full path).
+local rest = nil
+local hold = 10 * tonumber(ARGV[10])  -- a missed wake stops holding woken heads this long
+if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' ' then
+  local free = true
+  if cur then
+    local tok, _, _, e = parse(cur)
+    free = tok ~= ARGV[2] and tonumber(e) <= now
+  end
+  local e, w, a, tail = string.match(
+    wgot[1], '^[^ \\n]+ %d+ (%d+) (%d+) ?(%d*)\\n?(.*)$')
+  if free and e and tonumber(e) > now and
+      not (ARGV[12] ~= '' and a ~= '' and tonumber(ARGV[12]) < tonumber(a)) then
+    rest = tail
+    local woken = tonumber(w)
+    if rest == '' then
+      redis.call('HDEL', KEYS[7], ARGV[1], '!' .. ARGV[1], '!!' .. ARGV[1])
+      redis.call('ZREM', KEYS[9], ARGV[1])
+    else
+      -- (the lapse index keeps the old latest lapse: never earlier than the list's own)
+      redis.call('HSET', KEYS[7], ARGV[1], rest)
+      if woken ~= 0 and woken <= now and woken + hold > tonumber(wgot[2] or '0') then
+        redis.call('HSET', KEYS[7], '!' .. ARGV[1], fmt(woken + hold))
+      end
+      if woken > now then in_flight_gone() end
+    end
+    redis.call('HDEL', KEYS[8], member)
+  end
+end
+local wl, dirty = {slow = 0}, false
+if not rest then wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now, hold, wgot) end
 -- a copy of an older attempt than the one `w` was listed by (a place or a claim without an
 -- attempt, or at attempt 0, is never older)
 local function older(w)
@@ -259,6 +338,7 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
       -- (refused again: a woken copy too late or beaten to it, or a back-stop copy), so the
       -- next release wakes it again
       if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
+      if tonumber(w[4]) > now then in_flight_gone() end
       w[4] = '0'
       -- its new payload replaces the old one only within the bytes bound (else the old,
       -- valid one is kept)
@@ -332,6 +412,7 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
     local wake = false
     if tonumber(held[4]) == 0 then  -- nobody woke it (the releaser died?): wake it now
       wl_wake(held, now + tonumber(ARGV[10]))
+      redis.call('HSET', KEYS[7], '!!' .. ARGV[1], held[4])
       wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. held[1])
       dirty = true
     end
@@ -346,6 +427,7 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
   -- the newer attempt's place listed).
   for k, w in ipairs(wl) do
     if w[1] == ARGV[5] and not older(w) then
+      if tonumber(w[4]) > now then in_flight_gone() end
       table.remove(wl, k)
       redis.call('HDEL', KEYS[8], member)
       dirty = true
@@ -405,12 +487,22 @@ if member then
 end
 local nextp = false
 if ARGV[13] == '1' then
-  for _, w in ipairs(wl) do
-    local t = tonumber(w[4])
-    if t > now then break end  -- a wake in flight: a release now wakes nobody
-    if t == 0 then
-      nextp = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. w[1])
-      break
+  local function next_wake(id, e, t)  -- true once decided
+    if tonumber(e) <= now then return false end  -- (an expired line is not listed)
+    if tonumber(t) > now then return true end  -- a wake in flight: a release now wakes nobody
+    if tonumber(t) == 0 then
+      nextp = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. id)
+      return true
+    end
+    return false
+  end
+  if rest then
+    for id, e, t in string.gmatch(rest, '([^ \\n]+) %d+ (%d+) (%d+)') do
+      if next_wake(id, e, t) then break end
+    end
+  else
+    for _, w in ipairs(wl) do
+      if next_wake(w[1], w[3], w[4]) then break end
     end
   end
 end
