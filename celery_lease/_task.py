@@ -975,13 +975,37 @@ class LeaseTask(Task):  # type: ignore[misc]
                     events.observe_hold(held)
         if lease.handoff is not None:
             payload, lease.handoff = lease.handoff, None
-            if sent and payload == sent[0]:
+            if sent and (payload == sent[0] or self._rearmed_wake(sent[0], payload)):
                 return  # that waiter's wake went out with the release
             failpoints.hit("before_wake")
             self._wake(payload, lease.resource, "release", lease.fence)
             failpoints.hit("after_wake")
 
     # -- hand-off -------------------------------------------------------------------------------
+    def _rearmed_wake(self, early: str, payload: str) -> bool:
+        """Whether the release handed the resource to the very execution whose early copy is
+        out (``early``), its place re-armed since the claim named it: its back-stop copy was
+        refused while this body ran, so ``payload`` counts more waits and is otherwise the
+        same message (task id, attempt, arguments, route). The early copy is then its woken
+        copy; a second one would only run as a duplicate (and, with no result backend to tell
+        it so, end with the recorded result: link callbacks twice). Not so when the new count
+        is that task's last allowed wait: its back-stop copy gives up when refused, and only a
+        woken copy that carries that count reads the result backend before it runs (see
+        _sibling_may_have_given_up). Rare (a place re-armed during a short body), so the two
+        messages are parsed only then."""
+        try:
+            a, b = json.loads(early), json.loads(payload)
+            waits_a = int(a["options"]["headers"].pop(WAITS_HEADER))
+            waits_b = int(b["options"]["headers"].pop(WAITS_HEADER))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return False
+        if a != b or waits_b <= waits_a:
+            return False
+        waiter = self.app.tasks.get(b.get("task"))
+        if not isinstance(waiter, LeaseTask):
+            return False
+        return waits_b < waiter.lease_settings.busy_max_waits
+
     def _backstop_delay(self, waits: int, settings: LeaseSettings) -> float:
         """When a queued waiter's own copy runs if nobody wakes it: no sooner than the lease
         ttl (a crashed holder's lease has run out by then), capped like the busy backoff."""

@@ -1,0 +1,114 @@
+"""The early wake when the waiter it named was re-armed during the body (Redis, issue 10).
+
+L's claim names W as the waiter a release would wake, and L's release sends W's wake early.
+Meanwhile W's back-stop copy was refused and re-armed W's place: the place's message now counts
+one more wait. The release hands the resource to W with that message; it is the same
+execution, whose woken copy (the early one) is already out, so the releaser sends no second
+copy: with no result backend to tell it was a duplicate, that copy would end with the recorded
+result and run the task's link callbacks again. At W's last allowed wait the second copy is
+still sent (only a woken copy carrying that count reads the result backend before it runs).
+
+Real Redis store; the broker is Celery's in-memory transport, whose queue is counted. Negative
+control: with the check off, the release sends the second copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from celery import Celery
+from celery.exceptions import DuplicateTaskNameWarning
+
+from celery_lease import LeaseBusyError, Owner, _clock, lease_task
+from celery_lease._app import get_store
+from celery_lease._task import LISTED_HEADER, WAITS_HEADER, LeaseTask
+from tests.conftest import unique
+
+pytestmark = pytest.mark.redis
+
+W_ID = "0f0e0d0c-1111-2222-3333-444455556666"
+
+
+@pytest.fixture
+def setup(request):
+    server = request.getfixturevalue("redis_server")
+    app = Celery(unique("rearmed"), broker="memory://")
+    app.conf.lease_store_url = server.url
+    app.conf.lease_key_prefix = f"{unique('cl')}:"
+    app.conf.lease_handoff_wake_queue = False
+    app.conf.task_always_eager = False
+    app.queue = unique("q")  # (the in-memory broker's queues outlive the app)
+
+    @lease_task(app=app, resource="r-{i}", busy_max_waits=5, name=unique("rearmed.t"))
+    def t(i):
+        return i
+
+    with warnings.catch_warnings():
+        # (finalizing takes in every shared task other tests defined, some under one name)
+        warnings.simplefilter("ignore", DuplicateTaskNameWarning)
+        app.finalize()
+    store = get_store(app)
+    try:
+        yield app, t, store
+    finally:
+        store.close()
+
+
+def payload_of(task, waits):
+    """The wake message W's copy lists after ``waits`` refused claims (it counts one more)."""
+    task.push_request(
+        id=W_ID,
+        args=(1,),
+        kwargs={},
+        headers={WAITS_HEADER: waits, LISTED_HEADER: 1_800_000_000},
+        delivery_info={"exchange": "", "routing_key": task.app.queue},
+        retries=0,
+    )
+    try:
+        payload, _ = task._wake_payload(task.request, (1,), {}, task.lease_settings)
+    finally:
+        task.pop_request()
+    return payload
+
+
+def wait(store, who, payload):
+    with pytest.raises(LeaseBusyError) as busy:
+        store.acquire("r-1", Owner.new(who), 30, identity=who, wait=payload, wait_ttl=60)
+    assert busy.value.position
+
+
+def queued(app):
+    with app.connection_for_read() as conn:
+        return conn.default_channel.queue_declare(app.queue, passive=True).message_count
+
+
+def hand_over(app, task, store, waits_before, waits_after):
+    """X holds; L and then W wait; X releases (L is woken) and L claims, naming W; W's place
+    is re-armed by a copy that waited ``waits_after`` times; L's release wakes W early.
+    Returns the number of W's messages sent."""
+    x = store.acquire("r-1", Owner.new("x"), 30, identity="x")
+    wait(store, "l", '{"task": "other", "args": [], "kwargs": {}, "options": {}}')
+    wait(store, W_ID, payload_of(task, waits_before))
+    assert store.release(x)
+    lease = store.acquire("r-1", Owner.new("l"), 30, identity="l", early_wake=True)
+    assert lease.next_wake == payload_of(task, waits_before)
+    wait(store, W_ID, payload_of(task, waits_after))  # the back-stop copy, refused: re-armed
+    task._release(lease, "done", None, held_since=_clock.monotonic(), early=True)
+    return queued(app)
+
+
+def test_a_rearmed_waiter_gets_one_woken_copy(setup):
+    app, task, store = setup
+    assert hand_over(app, task, store, 1, 2) == 1
+
+
+def test_at_its_last_allowed_wait_the_second_copy_is_still_sent(setup):
+    app, task, store = setup
+    assert hand_over(app, task, store, 3, 4) == 2  # its message counts 5: busy_max_waits
+
+
+def test_negative_control_without_the_check_the_release_sends_a_second_copy(setup, monkeypatch):
+    app, task, store = setup
+    monkeypatch.setattr(LeaseTask, "_rearmed_wake", lambda self, early, payload: False)
+    assert hand_over(app, task, store, 1, 2) == 2
