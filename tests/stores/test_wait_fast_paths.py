@@ -11,7 +11,7 @@ outcome) and lapses (places, leases and graces that run out) is applied to both 
 a resource each, and after every step their answers and wait lists (order, woken) must agree.
 
 The steps come in bursts at fixed 0.5 s periods. Every time a step sets (a grace of 0.2 s, its
-hold of 10 graces after a missed wake, leases and places of 0.3 s or 60 s) ends 0.2-0.3 s plus
+hold of 10 graces after a missed wake, leases and places of 0.3, 0.8 or 60 s) ends 0.2-0.3 s plus
 a multiple of the period after it, so it ends between bursts, never between the two stores'
 runs of one step: both see the same side of every deadline.
 
@@ -116,6 +116,9 @@ class Side:
         released = self.store.release(lease, outcome=outcome, result="1" if outcome else None)
         return ("released", released, lease.handoff)
 
+    def sweep(self) -> Any:
+        return ("swept", self.store.sweep_expired(limit=1000))
+
     def view(self) -> list[tuple[str, bool]]:
         return [(w.identity, w.woken) for w in self.store.waiters(self.resource)]
 
@@ -171,6 +174,19 @@ SCENARIOS: dict[str, list[list[tuple[str, tuple[Any, ...]]]]] = {
     "release in flight": [
         [hold("h"), wait("w0"), wait("w1"), wait("w2"), wait("w3"), RELEASE],
         [hold("w1"), RELEASE, hold("w4"), RELEASE, wait("w2"), wait("w3")],
+    ],
+    # the claiming head leaves only lapsed lines: the list ends, and with it the hold after
+    # the head's missed wake (review: the fast claim kept it)
+    "only lapsed lines behind": [
+        [hold("h"), wait("w0"), wait("w1", SHORT), RELEASE],
+        [wait("w0"), wait("y"), RELEASE, hold("z")],
+    ],
+    # the claiming head had the list's latest lapse: a sweep once the rest lapsed ends the list
+    # and its hold (review: the fast claim left the lapse index at the head's lapse)
+    "latest lapse claimed": [
+        [hold("h"), wait("w0"), wait("w1", 0.8), RELEASE],
+        [wait("w0")],
+        [("sweep", ()), wait("y"), RELEASE, hold("z")],
     ],
     # a copy of an older attempt at the head claims as nobody listed
     "older attempt": [

@@ -304,8 +304,21 @@ if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' '
   end
   local e, w, a, tail = string.match(
     wgot[1], '^[^ \\n]+ %d+ (%d+) (%d+) ?(%d*)\\n?(.*)$')
+  -- Also the full path's outcome only while the list goes on after this line as it was: some
+  -- line behind it still live (else the full path ends the list, and its hold after a missed
+  -- wake with it) and the list's latest lapse not this line's (else the full path moves the
+  -- lapse index earlier, and a sweep may end the list sooner).
+  local function goes_on()
+    if tail == '' then return true end
+    local last = redis.call('ZSCORE', KEYS[9], ARGV[1])
+    if not last or tonumber(e) >= tonumber(last) then return false end
+    for lapse in string.gmatch(tail, '[^ \\n]+ %d+ (%d+) %d+') do
+      if tonumber(lapse) > now then return true end
+    end
+    return false
+  end
   if free and e and tonumber(e) > now and
-      not (ARGV[12] ~= '' and a ~= '' and tonumber(ARGV[12]) < tonumber(a)) then
+      not (ARGV[12] ~= '' and a ~= '' and tonumber(ARGV[12]) < tonumber(a)) and goes_on() then
     rest = tail
     local woken = tonumber(w)
     if rest == '' then
