@@ -989,10 +989,13 @@ class LeaseTask(Task):  # type: ignore[misc]
         same message (task id, attempt, arguments, route). The early copy is then its woken
         copy; a second one would only run as a duplicate (and, with no result backend to tell
         it so, end with the recorded result: link callbacks twice). Not so when the new count
-        is that task's last allowed wait: its back-stop copy gives up when refused, and only a
-        woken copy that carries that count reads the result backend before it runs (see
-        _sibling_may_have_given_up). Rare (a place re-armed during a short body), so the two
-        messages are parsed only then."""
+        is that task's last allowed wait (the busy_max_waits this app resolves for it): its
+        back-stop copy gives up when refused, and a woken copy that carries that count reads
+        the result backend before it runs (see _sibling_may_have_given_up). The early copy
+        itself carries the count its claim saw, so at that last wait it can still run after
+        the back-stop copy gave up, second copy or not (a gap this check neither opens nor
+        closes). Rare (a place re-armed during a short body), so the two messages are parsed
+        only then."""
         try:
             a, b = json.loads(early), json.loads(payload)
             waits_a = int(a["options"]["headers"].pop(WAITS_HEADER))

@@ -176,6 +176,11 @@ if tonumber(waiting[3] or '0') <= now then
   -- expired lines are dropped, and the missed wakes behind it counted, by the next full load).
   local slow = tonumber(waiting[2] or '0')
   local until_ = now + tonumber(ARGV[{grace}])
+  local function keep_slow()  -- the missed wakes read on the way, when they hold longer
+    if slow > tonumber(waiting[2] or '0') then
+      redis.call('HSET', KEYS[{waits}], '!' .. ARGV[1], fmt(slow))
+    end
+  end
   for at, id, since, e, w, after in string.gmatch(
       waiting[1], '()([^ \\n]+) (%d+) (%d+) (%d+)()') do
     local woken = tonumber(w)
@@ -189,16 +194,12 @@ if tonumber(waiting[3] or '0') <= now then
       if not kept or tonumber(kept) < last then
         redis.call('ZADD', KEYS[{waits + 2}], last, ARGV[1])
       end
-      if slow > tonumber(waiting[2] or '0') then
-        redis.call('HSET', KEYS[{waits}], '!' .. ARGV[1], fmt(slow))
-      end
+      keep_slow()
       return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. id), id}}
     end
     if woken ~= 0 and woken + hold > slow then slow = woken + hold end  -- (woken <= now)
   end
-  if slow > tonumber(waiting[2] or '0') then
-    redis.call('HSET', KEYS[{waits}], '!' .. ARGV[1], fmt(slow))
-  end
+  keep_slow()
   return 1
 end
 local wl, dirty = wl_load(KEYS[{waits}], KEYS[{wpay}], ARGV[1], now, hold, waiting)
@@ -322,8 +323,7 @@ if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' '
     rest = tail
     local woken = tonumber(w)
     if rest == '' then
-      redis.call('HDEL', KEYS[7], ARGV[1], '!' .. ARGV[1], '!!' .. ARGV[1])
-      redis.call('ZREM', KEYS[9], ARGV[1])
+      wl_save(KEYS[7], KEYS[9], ARGV[1], {slow = 0})  -- (the list ends)
     else
       -- (the lapse index keeps the old latest lapse: never earlier than the list's own)
       redis.call('HSET', KEYS[7], ARGV[1], rest)
