@@ -220,6 +220,11 @@ class Lease:
         #: waiter never woken), so the releaser can send it before releasing; None when nobody
         #: waited then. A guess: the release's own answer (``handoff``) decides.
         self.next_wake: str | None = None
+        #: Set by a claim that asked for it (``own_wake=True``, stores that can): the wake
+        #: payload the claimant's own place in the wait list held when the claim took it off,
+        #: or None when it had no place. A copy woken early carries the waits count its
+        #: waker's claim saw; this one counts every re-arm since.
+        self.own_wake: str | None = None
 
     # -- times (store clock) ------------------------------------------------------------------
     # (The first read converts under the lock: a renewal recorded by the renewer thread

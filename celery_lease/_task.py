@@ -26,6 +26,7 @@ import json
 import json.encoder
 import logging
 import random
+import re
 import socket
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -167,6 +168,11 @@ EXPIRY_REASONS = frozenset({"expired", "self_fenced", "renew_failed", "max_runti
 #: What a claim passes a store that can tell the next waiter (see Lease.next_wake).
 _EARLY_WAKE: dict[str, Any] = {"early_wake": True}
 _NO_EXTRA: dict[str, Any] = {}
+#: What an early copy's claim passes such a store: the waits count of its own listed place.
+_OWN_WAKE: dict[str, Any] = {"own_wake": True}
+_OWN_WAKE_EARLY: dict[str, Any] = {**_EARLY_WAKE, **_OWN_WAKE}
+#: A waits count in a wake payload (the JSON our encoder writes); see _listed_waits.
+_WAITS_IN_PAYLOAD = re.compile(r'"' + WAITS_HEADER + r'": ?(\d+)')
 #: The series every claim and release counts (looked up once, not per task).
 _CLAIMED = events.Recorder(
     metrics.Series("c", "celery_lease_claims_total"),
@@ -437,7 +443,12 @@ class LeaseTask(Task):  # type: ignore[misc]
                     settings.ttl,
                     identity=identity,
                     attempt=request.retries or 0,
-                    **extra,
+                    # (its place's waits count: re-armed since the waker's claim named it?)
+                    **(
+                        (_OWN_WAKE_EARLY if extra else _OWN_WAKE)
+                        if getattr(store, "supports_early_wake", False)
+                        else extra
+                    ),
                 )
             else:
                 lease = store.acquire(resource, owner, settings.ttl, identity=identity, **extra)
@@ -496,7 +507,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             # acks_late and reject_on_worker_lost redeliver it; a lost lease: RETRY). The
             # result backend tells (back-stop copies read it before their claim).
             self._drop_if_finished(request, resource, lease)
-        elif identity is not None and self._sibling_may_have_given_up(request, settings):
+        elif identity is not None and self._sibling_may_have_given_up(request, settings, lease):
             # A woken copy whose back-stop sibling may have ended FAILURE without claiming
             # ("gave up after N busy waits", or on an unreachable store), leaving this place
             # listed. The result backend tells; on a final state the lease is given back
@@ -711,14 +722,23 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._release(lease, found, None)
         raise Ignore(f"task {request.id} already ended {state}: a copy of it ends unrun")
 
-    def _sibling_may_have_given_up(self, request: Any, settings: LeaseSettings) -> bool:
+    def _sibling_may_have_given_up(
+        self, request: Any, settings: LeaseSettings, lease: Lease | None = None
+    ) -> bool:
         """A woken copy whose back-stop sibling may have ended FAILURE without claiming: it
         would not wait again when refused (the last allowed wait: it gave up), or its place
         was listed longer ago than ``store_down_max_wait`` (it may have given up on an
-        unreachable store). Rare, so only then does a woken copy read the result backend."""
+        unreachable store). Rare, so only then does a woken copy read the result backend.
+
+        An early copy carries the waits count its waker's claim saw; its place may have been
+        re-armed since (its back-stop copy refused while the waker's body ran), so the count
+        its claim found in its own place (``lease.own_wake``) counts too."""
         if _header(request, WOKEN_HEADER) is None:
             return False
-        if int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits:
+        waits = int(_header(request, WAITS_HEADER) or 0)
+        if lease is not None and lease.own_wake is not None:
+            waits = max(waits, _listed_waits(lease.own_wake))
+        if waits >= settings.busy_max_waits:
             return True
         # Its back-stop copy may have found the store unreachable until store_down_max_wait
         # ran out (that budget starts no sooner than the listing, see _listed_at): only a
@@ -988,26 +1008,17 @@ class LeaseTask(Task):  # type: ignore[misc]
         refused while this body ran, so ``payload`` counts more waits and is otherwise the
         same message (task id, attempt, arguments, route). The early copy is then its woken
         copy; a second one would only run as a duplicate (and, with no result backend to tell
-        it so, end with the recorded result: link callbacks twice). Not so when the new count
-        is that task's last allowed wait (the busy_max_waits this app resolves for it): its
-        back-stop copy gives up when refused, and a woken copy that carries that count reads
-        the result backend before it runs (see _sibling_may_have_given_up). The early copy
-        itself carries the count its claim saw, so at that last wait it can still run after
-        the back-stop copy gave up, second copy or not (a gap this check neither opens nor
-        closes). Rare (a place re-armed during a short body), so the two messages are parsed
-        only then."""
+        it so, end with the recorded result: link callbacks twice). The early copy's claim
+        reads the place's newer count (``Lease.own_wake``), so at the last allowed wait it too
+        reads the result backend before it runs (see _sibling_may_have_given_up). Rare (a place
+        re-armed during a short body), so the two messages are parsed only then."""
         try:
             a, b = json.loads(early), json.loads(payload)
             waits_a = int(a["options"]["headers"].pop(WAITS_HEADER))
             waits_b = int(b["options"]["headers"].pop(WAITS_HEADER))
         except (ValueError, TypeError, KeyError, AttributeError):
             return False
-        if a != b or waits_b <= waits_a:
-            return False
-        waiter = self.app.tasks.get(b.get("task"))
-        if not isinstance(waiter, LeaseTask):
-            return False
-        return waits_b < waiter.lease_settings.busy_max_waits
+        return a == b and waits_b > waits_a
 
     def _backstop_delay(self, waits: int, settings: LeaseSettings) -> float:
         """When a queued waiter's own copy runs if nobody wakes it: no sooner than the lease
@@ -1798,6 +1809,13 @@ if _c_make_encoder is not None:  # (CPython: always)
 
 else:  # pragma: no cover - a Python without the C accelerator
     _dump_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _listed_waits(payload: str) -> int:
+    """The waits count a listed wake payload carries (0 when it carries none). Read from
+    the text, not parsed: the hand-off's path. A key of that name inside the task's own
+    arguments can only raise the count (one more backend read), never hide it."""
+    return max((int(n) for n in _WAITS_IN_PAYLOAD.findall(payload)), default=0)
 
 
 def _listed_at(request: Any) -> float:

@@ -66,7 +66,9 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     returns, with the lease, the wake payload a release would send if it ran then (``14``:
     the first waiter never woken, none while a wake is in flight) in ``Lease.next_wake``, in
     the same round trip. It changes nothing in the store. On such a store a claim without
-    ``wait`` by a listed identity leaves its place as it is when refused (not re-armed, 12).
+    ``wait`` by a listed identity leaves its place as it is when refused (not re-armed, 12),
+    and ``acquire(..., own_wake=True)`` returns in ``Lease.own_wake`` the wake payload the
+    claimant's own place held when the claim took it off the list (None: no place).
 """
 
 from __future__ import annotations

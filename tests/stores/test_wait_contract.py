@@ -973,6 +973,37 @@ class TestEarlyWake:
         estore.acquire(r, Owner.new("a"), LONG, identity="a", attempt=0)  # held for a
         assert estore.waiters(r) == []
 
+    def test_a_claim_can_read_its_own_places_latest_wake(self, estore, names):
+        """An early copy carries the waits count its waker's claim saw: with
+        ``own_wake=True`` its claim also returns what its own place held as it took it off
+        the list (re-armed meanwhile: the newer message), as the head and from behind a head
+        that missed its grace; nothing when it had no place or did not ask."""
+        estore.handoff_grace = 0.3
+        r = names + "r"
+        lease = claim(estore, r, "h")
+        refused(estore, r, "a")
+        with pytest.raises(LeaseBusyError):  # its back-stop copy re-arms it: a newer message
+            estore.acquire(r, Owner.new("a"), LONG, identity="a", wait="payload-a2", wait_ttl=60)
+        estore.release(lease)
+        mine = estore.acquire(r, Owner.new("a"), LONG, identity="a", attempt=0, own_wake=True)
+        assert mine.own_wake == "payload-a2"  # the head: the fast claim
+        refused(estore, r, "b")
+        refused(estore, r, "c")
+        estore.release(mine)
+        assert mine.handoff == "payload-b"
+        wait_for(lambda: not estore.waiters(r)[0].woken, 5, "b's grace to pass")
+        lease = claim(estore, r, "c")  # b missed its grace: c takes it
+        estore.release(lease)
+        lease = estore.acquire(r, Owner.new("b"), LONG, identity="b", attempt=0, own_wake=True)
+        assert lease.own_wake == "payload-b"  # (the full path)
+        estore.release(lease)
+        lease = estore.acquire(r, Owner.new("d"), LONG, identity="d", own_wake=True)
+        assert lease.own_wake is None  # no place
+        refused(estore, r, "e")
+        estore.release(lease)
+        lease = estore.acquire(r, Owner.new("e"), LONG, identity="e", attempt=0)
+        assert lease.own_wake is None  # not asked
+
     def test_other_stores_do_not_say(self, wstore, names):
         if wstore.supports_early_wake:
             pytest.skip("covered above")

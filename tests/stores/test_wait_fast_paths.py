@@ -101,13 +101,22 @@ class Side:
                 wait_ttl=ttl,
                 attempt=attempt,
                 early_wake=True,
+                own_wake=True,
             )
         except LeaseBusyError as busy:
             return ("busy", busy.holder_label, busy.duplicate, busy.position, busy.wake)
         except IdentityDoneError as done:
             return ("done", done.owner_label)
         self.lease = lease
-        return ("claimed", name, lease.identity_state, lease.recovered, lease.next_wake)
+        assert lease.own_wake in (None, f"{name}-payload")
+        return (
+            "claimed",
+            name,
+            lease.identity_state,
+            lease.recovered,
+            lease.next_wake,
+            lease.own_wake,
+        )
 
     def release(self, outcome: str | None) -> Any:
         lease, self.lease = self.lease, None

@@ -237,12 +237,14 @@ ACQUIRE = (
 -- identity neither re-arms, replaces the payload of, nor claims as that waiter),
 -- ARGV[13] '1' to get back, with the lease, the wake payload of the waiter a release would
 -- wake now (the first never woken, none while a wake is in flight), or ''
+-- ARGV[14] '1' to also get back the wake payload this claimant's own place held when the
+-- claim took it off the list (its waits count may be newer than this copy's), or ''
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
 -- returns {1, fence, acquired_us, expires_us, epoch, prev_label|nil, prev_fence|nil,
 --          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil,
---          next wake payload|nil}
+--          next wake payload|nil, own wake payload|nil}
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate,
 --          position, wake payload|nil}
 --         (duplicate 1 when the holder runs this same identity, else 0; position in the wait
@@ -296,6 +298,7 @@ local function in_flight_gone() redis.call('HDEL', KEYS[7], '!!' .. ARGV[1]) end
 -- instead of reading and rewriting every line (most of a woken claim's cost on a long list);
 -- `rest`: the lines behind it, or nil (the full path).
 local rest = nil
+local ownp = false
 local hold = 10 * tonumber(ARGV[10])  -- a missed wake stops holding woken heads this long
 if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' ' then
   local free = true
@@ -332,6 +335,7 @@ if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' '
       end
       if woken > now then in_flight_gone() end
     end
+    if ARGV[14] == '1' then ownp = redis.call('HGET', KEYS[8], member) end
     redis.call('HDEL', KEYS[8], member)
   end
 end
@@ -442,6 +446,7 @@ if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
     if w[1] == ARGV[5] and not older(w) then
       if tonumber(w[4]) > now then in_flight_gone() end
       table.remove(wl, k)
+      if ARGV[14] == '1' then ownp = redis.call('HGET', KEYS[8], member) end
       redis.call('HDEL', KEYS[8], member)
       dirty = true
       break
@@ -519,7 +524,8 @@ if ARGV[13] == '1' then
     end
   end
 end
-return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt, nextp}
+return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt, nextp,
+  ownp}
 """
 )
 

@@ -241,6 +241,7 @@ class RedisLeaseStore(BaseLeaseStore):
         wait_ttl: float = 120.0,
         attempt: int | None = None,
         early_wake: bool = False,
+        own_wake: bool = False,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
@@ -262,6 +263,7 @@ class RedisLeaseStore(BaseLeaseStore):
             self.wait_bytes_cap,
             "" if attempt is None else attempt,
             "1" if early_wake else "",
+            "1" if own_wake else "",
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):
@@ -297,7 +299,8 @@ class RedisLeaseStore(BaseLeaseStore):
             i_label,
             ckpt,
             next_wake,
-        ) = [*reply, None, None, None, None, None, None, None][:12]
+            own,
+        ) = [*reply, None, None, None, None, None, None, None, None][:13]
         self._note_epoch(shard, epoch)
         prev_label, prev_fence = previous_owner(prev_label, prev_fence, i_label, i_fence)
         checkpoints = None
@@ -322,6 +325,8 @@ class RedisLeaseStore(BaseLeaseStore):
         )
         if next_wake is not None:
             lease.next_wake = _text(next_wake)
+        if own is not None:
+            lease.own_wake = _text(own)
         return lease
 
     def _renew_call(
