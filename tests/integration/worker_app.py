@@ -662,7 +662,7 @@ if env.get("CL_GAVE_UP_READ") == "off":
     # in the result backend, also when its back-stop sibling may have given up.
     from celery_lease import LeaseTask
 
-    LeaseTask._sibling_may_have_given_up = lambda self, request, settings: False  # type: ignore[method-assign]
+    LeaseTask._sibling_may_have_given_up = lambda self, request, settings, lease=None: False  # type: ignore[method-assign]
 
 
 if env.get("CL_WAIT_ATTEMPT") == "off":

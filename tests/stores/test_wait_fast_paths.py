@@ -13,7 +13,8 @@ a resource each, and after every step their answers and wait lists (order, woken
 The steps come in bursts at fixed 0.5 s periods. Every time a step sets (a grace of 0.2 s, its
 hold of 10 graces after a missed wake, leases and places of 0.3, 0.8 or 60 s) ends 0.2-0.3 s plus
 a multiple of the period after it, so it ends between bursts, never between the two stores'
-runs of one step: both see the same side of every deadline.
+runs of one step: both see the same side of every deadline. A run with a burst that took too
+long for that (a loaded machine) proves nothing and is run again.
 
 The negative controls break one fast path each (the release ignores the in-flight mark; the
 claim takes the first line even when it has lapsed) and show the comparison catches it.
@@ -226,8 +227,26 @@ def compare(fast: Side, full: Side, plan: Any, periods: int, what: str) -> str |
                     f"  full: {answers[1]}, list {views[1]}\n"
                     "steps so far:\n  " + "\n  ".join(history[-25:])
                 )
-        assert time.monotonic() - start - period * PERIOD < 0.15, "a burst ran too long"
+        if time.monotonic() - start - period * PERIOD >= 0.15:
+            raise Overran(f"{what}: period {period}'s burst ran past 0.15 s")
     return None
+
+
+class Overran(Exception):
+    """A burst ran so long (a loaded machine) that a deadline may have fallen between the two
+    stores' runs of one step: the comparison proves nothing either way, so it is run again."""
+
+
+def compare_until_timely(sides: Any, swaps: list[tuple[str, str]], run: int) -> str | None:
+    """``compare`` on fresh sides for run ``run``, again (up to five tries) while bursts overran."""
+    for _ in range(4):
+        what, plan, periods = runs()[run]
+        try:
+            return compare(*sides(swaps), plan, periods, what)
+        except Overran as overran:
+            print(f"{overran}: running it again")
+    what, plan, periods = runs()[run]
+    return compare(*sides(swaps), plan, periods, what)
 
 
 def random_plan(seed: int) -> Any:
@@ -265,17 +284,14 @@ def runs() -> list[tuple[str, Any, int]]:
 
 @pytest.mark.parametrize("run", range(len(SCENARIOS) + 3))
 def test_fast_paths_decide_as_the_full_paths(sides, run):
-    what, plan, periods = runs()[run]
-    fast, full = sides([])
-    mismatch = compare(fast, full, plan, periods, what)
+    mismatch = compare_until_timely(sides, [], run)
     assert mismatch is None, mismatch
 
 
 @pytest.mark.parametrize("breakage", sorted(BROKEN))
 def test_negative_control_a_broken_fast_path_is_caught(sides, breakage):
-    for what, plan, periods in runs():  # until one tells the broken fast path apart
-        fast, full = sides([BROKEN[breakage]])
-        caught = compare(fast, full, plan, periods, what)
+    for run in range(len(runs())):  # until one tells the broken fast path apart
+        caught = compare_until_timely(sides, [BROKEN[breakage]], run)
         if caught:
             print(caught)
             return
