@@ -732,12 +732,17 @@ class LeaseTask(Task):  # type: ignore[misc]
 
         An early copy carries the waits count its waker's claim saw; its place may have been
         re-armed since (its back-stop copy refused while the waker's body ran), so the count
-        its claim found in its own place (``lease.own_wake``) counts too."""
+        its claim found in its own place (``lease.own_wake``) counts too. An early copy whose
+        claim found no place of its own (it lapsed while the copy waited behind a backlog, or
+        the claim was sent again after a lost reply and the first one took it) cannot tell
+        its count: it reads the result backend."""
         if _header(request, WOKEN_HEADER) is None:
             return False
         waits = int(_header(request, WAITS_HEADER) or 0)
         if lease is not None and lease.own_wake is not None:
             waits = max(waits, _listed_waits(lease.own_wake))
+        elif _own_count_unknown(request, lease):
+            return True
         if waits >= settings.busy_max_waits:
             return True
         # Its back-stop copy may have found the store unreachable until store_down_max_wait
@@ -1809,6 +1814,16 @@ if _c_make_encoder is not None:  # (CPython: always)
 
 else:  # pragma: no cover - a Python without the C accelerator
     _dump_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _own_count_unknown(request: Any, lease: Lease | None) -> bool:
+    """An early copy whose claim on a store that answers with the claimant's own place
+    (``own_wake``) found none: it lapsed, or the claim was sent again after a lost reply."""
+    return (
+        lease is not None
+        and _header(request, EARLY_HEADER) is not None
+        and getattr(lease.store, "supports_early_wake", False)
+    )
 
 
 def _listed_waits(payload: str) -> int:

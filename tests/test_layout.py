@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_interrupt",
             "_lanes",
             "metrics",
+            "stores._bounds",
             "stores._connections",
             "stores.redis.scripts",
             "stores.sql.statements",

@@ -37,7 +37,9 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     in the same round trip (at most ``wait_cap`` waiters, whose wake payloads add up to at most
     ``wait_bytes_cap`` bytes (UTF-8); an identity already waiting keeps its place, and a refused
     claim re-arms it: it no longer counts as woken, see 14; its new payload replaces the old one
-    only while the list's payloads stay within ``wait_bytes_cap``, else the old one is kept).
+    while the list's payloads stay within ``wait_bytes_cap``, or, when it is at most
+    ``REARM_GROWTH`` bytes bigger, within ``wait_bytes_cap`` plus ``REARM_GROWTH`` per listed
+    waiter; else the old one is kept).
     A claim past either bound is refused unlisted (position None). A waiter's place lapses
     ``wait_ttl`` seconds after its last refused claim. A claim naming its ``attempt`` (the
     task's retries) lists that attempt; a later refused claim naming an older attempt of the
@@ -68,7 +70,8 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     the same round trip. It changes nothing in the store. On such a store a claim without
     ``wait`` by a listed identity leaves its place as it is when refused (not re-armed, 12),
     and ``acquire(..., own_wake=True)`` returns in ``Lease.own_wake`` the wake payload the
-    claimant's own place held when the claim took it off the list (None: no place).
+    claimant's own place held when the claim took it off the list (None: no place, also for
+    the same claim sent again after a lost reply: the first run took the place).
 """
 
 from __future__ import annotations
@@ -87,10 +90,12 @@ from .._errors import LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
+from ._bounds import REARM_GROWTH
 
 __all__ = [
     "DEFAULT_MAX_TTL",
     "DEFAULT_RETENTION",
+    "REARM_GROWTH",
     "RECENT_EFFECTS",
     "BaseLeaseStore",
     "EffectRecord",
@@ -211,6 +216,16 @@ DEFAULT_WAIT_CAP = 256
 #: it. 128 KiB lists 256 wake messages of 512 bytes (a task with three small arguments sends
 #: about 360: task name, arguments, ids, queue, headers).
 DEFAULT_WAIT_BYTES_CAP = WAIT_BYTES_CAP
+
+
+def rearm_fits(old: int, new: int, after: int, count: int, bytes_cap: int) -> bool:
+    """Whether a re-armed waiter's new payload (``new`` bytes, replacing ``old``) is kept, the
+    list's payloads then adding up to ``after`` bytes over ``count`` listed waiters."""
+    if new - old <= REARM_GROWTH:
+        bytes_cap += REARM_GROWTH * count
+    return new <= old or after <= bytes_cap
+
+
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
 #: waiter behind it; the late one keeps its place).
 DEFAULT_HANDOFF_GRACE = 2.0

@@ -35,6 +35,7 @@ from .base import (
     lease_info,
     monotonic,
     previous_owner,
+    rearm_fits,
 )
 
 __all__ = ["MemoryLeaseStore"]
@@ -176,13 +177,14 @@ class MemoryLeaseStore(BaseLeaseStore):
                     return place
                 # Refused again (a woken copy too late or beaten to it, or a back-stop copy):
                 # it keeps its place and is re-armed, so the next release wakes it again. Its
-                # new payload replaces the old one only within wait_bytes_cap (else the old,
-                # valid one is kept).
+                # new payload replaces the old one within the bytes bound (rearm_fits; else the
+                # old, valid one is kept).
                 waiter[2] = max(waiter[2], until)
                 waiter[3] = 0
                 old = len(waiter[4].encode())
                 new = len(payload.encode())
-                if new <= old or _payload_bytes(waits) - old + new <= self.wait_bytes_cap:
+                after = _payload_bytes(waits) - old + new
+                if rearm_fits(old, new, after, len(waits), self.wait_bytes_cap):
                     waiter[4] = payload
                     waiter[5] = attempt
                 return place

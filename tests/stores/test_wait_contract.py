@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import LeaseBusyError, LeaseConfigError, Owner
+from celery_lease.stores.base import REARM_GROWTH
 from celery_lease.stores.sql.waits import load
 from tests.conftest import make_store, unique
 from tests.tooling.servers import wait_for
@@ -179,10 +180,13 @@ class TestWaitList:
 
     def test_a_re_arm_keeps_the_list_within_the_bytes_cap(self, bstore, names):
         """A listed waiter refused again with a bigger payload keeps its place and is re-armed
-        (its place refreshed), but its new payload replaces the old one only while the list's
-        payloads stay within wait_bytes_cap; else the old, valid one is kept and woken. Before:
-        every re-arm replaced the payload, so 256 waiters listed with 500 B and re-armed with
-        8 kB held 2 MB against a 128 KiB budget (a release: 36 ms on PostgreSQL)."""
+        (its place refreshed). Its new payload replaces the old one while the list's payloads
+        stay within wait_bytes_cap, or, when it grew by REARM_GROWTH bytes at most (a waits
+        count gaining a digit, a lineage header), within the cap plus REARM_GROWTH per listed
+        waiter; else the old, valid one is kept. Before: every re-arm replaced the payload, so
+        256 waiters listed with 500 B and re-armed with 8 kB held 2 MB against a 128 KiB
+        budget (a release: 36 ms on PostgreSQL); then a full budget kept a payload one digit
+        short, whose woken copy counted one wait too few."""
         bstore.wait_bytes_cap = 20
         r = names + "r"
         lease = claim(bstore, r, "holder")
@@ -194,13 +198,20 @@ class TestWaitList:
                 bstore.acquire(r, Owner.new(who), LONG, identity=who, wait=payload, wait_ttl=600)
             return busy.value.position
 
-        assert again("a", "payload-a-bigger") == 1  # 16 + 9 > 20: kept, old payload kept
+        far = "a" * (9 + REARM_GROWTH + 1)
+        assert again("a", far) == 1  # grew past REARM_GROWTH and 74 + 9 > 20: old one kept
         assert bstore.waiters(r)[0].expires_at > place  # its place refreshed all the same
+        assert _kept_bytes(bstore, r)[0] == 18
         assert again("b", "payload-bb") == 2  # 9 + 10 <= 20: the new payload replaces
+        assert _kept_bytes(bstore, r)[0] == 19
+        assert again("a", "payload-a1") == 1  # a digit more on a full budget: replaces
+        assert _kept_bytes(bstore, r)[0] == 20
+        for k in range(10):  # growing by REARM_GROWTH each re-arm: bounded all the same
+            assert again("a", "a" * (10 + REARM_GROWTH * (k + 1))) == 1
         payloads, _ = _kept_bytes(bstore, r)
-        assert payloads == 19 <= bstore.wait_bytes_cap
+        assert 20 < payloads <= bstore.wait_bytes_cap + 2 * REARM_GROWTH
         bstore.release(lease)
-        assert lease.handoff == "payload-a"
+        assert len(lease.handoff) == payloads - 10
         woken = claim(bstore, r, "a")
         bstore.release(woken)
         assert woken.handoff == "payload-bb"
@@ -1003,6 +1014,16 @@ class TestEarlyWake:
         estore.release(lease)
         lease = estore.acquire(r, Owner.new("e"), LONG, identity="e", attempt=0)
         assert lease.own_wake is None  # not asked
+        estore.release(lease)
+        lease = claim(estore, r, "g")
+        refused(estore, r, "f")
+        estore.release(lease)
+        owner = Owner.new("f")
+        lease = estore.acquire(r, owner, LONG, identity="f", attempt=0, own_wake=True)
+        assert lease.own_wake == "payload-f"
+        again = estore.acquire(r, owner, LONG, identity="f", attempt=0, own_wake=True)
+        assert again.fence == lease.fence  # the same claim sent again after a lost reply:
+        assert again.own_wake is None  # its place is gone (the task then reads the backend)
 
     def test_other_stores_do_not_say(self, wstore, names):
         if wstore.supports_early_wake:

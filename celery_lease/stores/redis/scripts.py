@@ -50,6 +50,8 @@ as long as the server clock does not step back.
 
 from __future__ import annotations
 
+from .._bounds import REARM_GROWTH
+
 # Lua building blocks; each script includes only what it uses (every line costs server time).
 _NOW = """
 local t = redis.call('TIME')
@@ -357,16 +359,22 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
       if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
       if tonumber(w[4]) > now then in_flight_gone() end
       w[4] = '0'
-      -- its new payload replaces the old one only within the bytes bound (else the old,
-      -- valid one is kept)
-      local old = redis.call('HSTRLEN', KEYS[8], member)
-      local fits = #ARGV[7] <= old
+      -- its new payload replaces the old one within the bytes bound (base.rearm_fits: the
+      -- cap, plus REARM_GROWTH per waiter for a payload that grew that much at most; else the
+      -- old, valid one is kept)
+      local grew = #ARGV[7] - redis.call('HSTRLEN', KEYS[8], member)
+      local fits = grew <= 0
       if not fits then
-        local bytes = #ARGV[7] - old
+        local bytes, cap = grew, tonumber(ARGV[11])
         for _, v in ipairs(wl) do
           bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. v[1])
         end
-        fits = bytes <= tonumber(ARGV[11])
+        if grew <= """
+    + str(REARM_GROWTH)
+    + """ then cap = cap + """
+    + str(REARM_GROWTH)
+    + """ * #wl end
+        fits = bytes <= cap
       end
       if fits then
         redis.call('HSET', KEYS[8], member, ARGV[7])

@@ -33,6 +33,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .._bounds import REARM_GROWTH
+
 __all__ = [
     "SETTLE_ARGS",
     "Functions",
@@ -57,6 +59,12 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
     i, w, grace = f"{p('i')}::varchar", f"{p('w')}::text", f"{p('grace')}::bigint"
     wttl, cap = f"{p('wttl')}::bigint", f"{p('cap')}::bigint"
     wbytes, a = f"{p('wbytes')}::bigint", f"{p('a')}::bigint"
+    # a re-armed place takes its new payload within the bytes bound (base.rearm_fits)
+    grew = f"octet_length({w}) - octet_length(x.e->>4)"
+    refits = (
+        f"({grew} <= 0 OR act.bytes + {grew} <= {wbytes}"
+        f" + CASE WHEN {grew} <= {REARM_GROWTH} THEN {REARM_GROWTH} * act.cnt ELSE 0 END)"
+    )
     write = """
             waits = CASE WHEN n.list = '[]'::jsonb THEN NULL ELSE n.list END,
             wait_slow_us = CASE WHEN n.list = '[]'::jsonb OR n.slow = 0 THEN NULL
@@ -120,12 +128,8 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                     WHEN act.joins AND NOT act.stale AND x.e->>0 = {i}
                     THEN jsonb_build_array(x.e->0, x.e->1,
                         greatest((x.e->>2)::bigint, act.now + {wttl}), 0,
-                        CASE WHEN act.bytes - octet_length(x.e->>4) + octet_length({w})
-                                  <= {wbytes}
-                             THEN to_jsonb({w}) ELSE x.e->4 END,
-                        CASE WHEN act.bytes - octet_length(x.e->>4) + octet_length({w})
-                                  <= {wbytes}
-                             THEN to_jsonb({a}) ELSE x.e->5 END)
+                        CASE WHEN {refits} THEN to_jsonb({w}) ELSE x.e->4 END,
+                        CASE WHEN {refits} THEN to_jsonb({a}) ELSE x.e->5 END)
                     ELSE x.e END ORDER BY x.pos)
                 FROM lw AS x
                 WHERE act.verdict <> 'claim' OR act.stale OR x.e->>0 IS DISTINCT FROM {i}),

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..base import rearm_fits
+
 if TYPE_CHECKING:
     from .statements import Statements
 
@@ -112,9 +114,10 @@ class Waits:
         is full: ``cap`` places, or its payloads would pass ``bytes_cap`` bytes).
 
         A waiter refused again (a woken copy too late or beaten to it, or a back-stop copy)
-        is re-armed: the next release wakes it again. Its new payload replaces the old one only
-        while the list's payloads stay within ``bytes_cap`` (else the old one is kept). A copy
-        of an older ``attempt`` than the one listed changes nothing (the newer keeps its wake)."""
+        is re-armed: the next release wakes it again. Its new payload replaces the old one
+        within the bytes bound (``rearm_fits``: ``bytes_cap``, plus REARM_GROWTH per waiter for
+        a payload that grew that much at most; else the old one is kept). A copy of an older
+        ``attempt`` than the one listed changes nothing (the newer keeps its wake)."""
         place = self.position(identity)
         if place:
             entry = self.places[place - 1]
@@ -123,7 +126,8 @@ class Waits:
             entry[2] = max(int(entry[2]), until)
             entry[3] = 0
             old, new = len(str(entry[4]).encode()), len(payload.encode())
-            if new <= old or self.payload_bytes() - old + new <= bytes_cap:
+            after = self.payload_bytes() - old + new
+            if rearm_fits(old, new, after, len(self.places), bytes_cap):
                 entry[4] = payload
                 entry[5:] = [attempt]
             return place
