@@ -351,3 +351,85 @@ class TestTemplateBinding:
 
         with pytest.raises(LeaseConfigError, match="argument 'region' is None"):
             self.render(f, "acct-{account}-{region}", 7, None)
+
+
+class TestStoresMadeAtWorkerStart:
+    """The worker's start makes every store its lease tasks use, before the pool starts, so
+    no pool process makes one at its first claim (PostgreSQL: tables and functions checked,
+    0.1-0.5 s for the first task after a start, several processes making theirs at once)."""
+
+    def start(self, app, caplog):
+        import warnings
+        from types import SimpleNamespace
+
+        from celery.exceptions import DuplicateTaskNameWarning
+
+        from celery_lease._app import LeaseBootstep
+
+        with warnings.catch_warnings():
+            # (finalizing binds every shared task defined so far, other test modules' too,
+            # some of which share a name: not what this test is about)
+            warnings.simplefilter("ignore", DuplicateTaskNameWarning)
+            app.finalize()
+        worker = SimpleNamespace(app=app)
+        with caplog.at_level("INFO", logger="celery_lease"):
+            LeaseBootstep(worker).start(worker)
+
+    def test_a_task_that_names_its_own_store_finds_it_made(self, app, tmp_path, caplog):
+        """A task with ``store_url=`` of its own: its store is made at start (and checked, and
+        logged), and the task's first claim uses that one, not a new one."""
+        from celery_lease._app import _stores
+
+        own = f"sqlite:///{tmp_path}/own.db"
+
+        @lease_task(app=app, resource="r", store_url=own, name=unique("own"), shared=False)
+        def task():
+            return current_lease().store
+
+        @lease_task(app=app, resource="r", name=unique("plain"), shared=False)
+        def plain():
+            return current_lease().store
+
+        self.start(app, caplog)
+        made = dict(_stores[app])
+        # (other modules' shared test tasks, bound to this app too, may add stores of theirs)
+        assert {app.conf.lease_store_url, own} <= {key[0] for key in made}
+        assert f"celery_lease store {own} ready" in caplog.text
+        assert f"celery_lease store {app.conf.lease_store_url} ready" in caplog.text
+        assert task.apply().get() in made.values()
+        assert plain.apply().get() in made.values()
+        assert dict(_stores[app]) == made  # (no store was made at the claims)
+
+    def test_tasks_sharing_the_app_store_share_the_one_made_at_start(self, app, caplog):
+        """Tasks without a store of their own (other settings differ) add none: each claims in
+        the app's store, the one made at start."""
+        from celery_lease._app import _store_key, _stores, get_store
+
+        def body():
+            pass
+
+        tasks = [
+            lease_task(app=app, resource="r", name=unique(f"t{n}"), ttl=5 + n, shared=False)(body)
+            for n in range(3)
+        ]
+        self.start(app, caplog)
+        app_store = _stores[app][_store_key(LeaseSettings.resolve(app.conf))]
+        assert {_store_key(task.lease_settings) for task in tasks} == {
+            _store_key(LeaseSettings.resolve(app.conf))
+        }
+        assert all(get_store(app, task.lease_settings) is app_store for task in tasks)
+
+    def test_a_task_store_that_is_down_is_logged_and_the_worker_starts(self, app, caplog):
+        """A task's own store that cannot be reached at start is named in an error line; the
+        start goes on (its tasks wait for it, as for the app's store)."""
+
+        @lease_task(
+            app=app, resource="r", store_url="redis://127.0.0.1:1/0", name=unique("down"),
+            shared=False,
+        )  # fmt: skip
+        def task():
+            pass
+
+        self.start(app, caplog)
+        assert "celery_lease store redis://127.0.0.1:1/0 is not usable at start" in caplog.text
+        assert f"celery_lease store {app.conf.lease_store_url} ready" in caplog.text
