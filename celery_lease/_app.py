@@ -139,7 +139,12 @@ def get_store(app: Any, settings: LeaseSettings | None = None) -> LeaseStore:
             "never falls back to the broker URL)"
         )
     options = _store_options(settings)
-    key = _store_key(settings, options)
+    key: _StoreKey = (
+        settings.store_url,
+        settings.key_prefix,
+        settings.table_prefix,
+        tuple(sorted((k, repr(v)) for k, v in options.items())),
+    )
     per_app = _stores.get(app)
     store = per_app.get(key) if per_app is not None else None
     if store is not None:
@@ -151,19 +156,6 @@ def get_store(app: Any, settings: LeaseSettings | None = None) -> LeaseStore:
             store = store_from_url(settings.store_url, **options)
             per_app[key] = store
     return store
-
-
-def _store_key(settings: LeaseSettings, options: dict[str, Any] | None = None) -> _StoreKey:
-    """What tells one store of an app from another: tasks whose settings give the same key
-    share one store."""
-    if options is None:
-        options = _store_options(settings)
-    return (
-        settings.store_url,
-        settings.key_prefix,
-        settings.table_prefix,
-        tuple(sorted((k, repr(v)) for k, v in options.items())),
-    )
 
 
 def _reset_stores_after_fork() -> None:
@@ -255,7 +247,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             # celery.contrib.testing starts this worker in a thread and waits, with no timeout,
             # for it to be ready: an error raised in start() is only logged there and the test
             # hangs. So check here, in the test's thread, where an error fails the test at once.
-            settings, _ = _check_settings(worker.app)
+            settings = _check_settings(worker.app)
             if not settings.store_url and overridden_store() is None:
                 raise LeaseConfigError(
                     "lease_store_url is not set and no lease_store fixture is in effect while "
@@ -283,14 +275,22 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
                 self.metrics_dir,
             )
         app = worker.app
-        settings, own = _check_settings(app)  # bad settings stop the worker here
-        # The stores of tasks that name their own (store_url=, a prefix) are made here too,
-        # before the pool starts: each pool process then inherits them (and opens only its
-        # connections) instead of making its own at its first claim of such a task, which cost
-        # that claim 0.1-0.5 s (tables and functions checked; several processes at once).
-        opened: set[int] = set()
-        for each in (settings, *own):
-            _open_store(app, each, opened)
+        settings = _check_settings(app)  # bad settings stop the worker here
+        try:
+            store = get_store(app, settings)
+            warnings = store.check_health()
+        except LeaseConfigError:
+            raise
+        except LeaseError as exc:  # the store is down: tasks wait for it, the worker starts
+            log.error(  # noqa: TRY400 - the message says it all; no traceback wanted
+                "celery_lease store %s is not usable at start: %s",
+                mask_url(settings.store_url),
+                exc,
+            )
+            return
+        for warning in warnings:
+            log.warning("celery_lease: %s", warning)
+        log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
 
     def create(self, worker: Any) -> None:
         # Here, before the consumer connects (start() runs after it did), so the warning
@@ -351,46 +351,16 @@ def broker_pool_warning(app: Any, pool_cls: Any, concurrency: int) -> str | None
     )
 
 
-def _check_settings(app: Any) -> tuple[LeaseSettings, list[LeaseSettings]]:
+def _check_settings(app: Any) -> LeaseSettings:
     """Resolve the app's lease settings and each lease task's (a bad one raises
-    ``LeaseConfigError``): the app's, and those of the tasks whose store differs from it. Not
-    kept: a task resolves again at its first run (a test may change a setting after its worker
-    started)."""
+    ``LeaseConfigError``). Not kept: a task resolves again at its first run (a test may change
+    a setting after its worker started)."""
     settings = LeaseSettings.resolve(app.conf)
-    app_store = _store_key(settings)
-    own: dict[_StoreKey, LeaseSettings] = {}
-    tasks = list(app.tasks.values())  # (first: reading them finalizes the app, binding them)
     lease_task_types = tuple(_lease_task_types)
-    for task in tasks:
+    for task in list(app.tasks.values()):
         if isinstance(task, lease_task_types):
-            resolved = cast("Any", task)._resolve_lease_settings()
-            key = _store_key(resolved)
-            if key != app_store and resolved.store_url:
-                own.setdefault(key, resolved)
-    return settings, list(own.values())
-
-
-def _open_store(app: Any, settings: LeaseSettings, opened: set[int]) -> None:
-    """Make the store of ``settings`` (the worker's start) and log its health once per store;
-    a store that cannot be reached is logged and left to the tasks, which wait for it."""
-    try:
-        store = get_store(app, settings)
-        if id(store) in opened:
-            return
-        opened.add(id(store))
-        warnings = store.check_health()
-    except LeaseConfigError:
-        raise
-    except LeaseError as exc:  # the store is down: tasks wait for it, the worker starts
-        log.error(  # noqa: TRY400 - the message says it all; no traceback wanted
-            "celery_lease store %s is not usable at start: %s",
-            mask_url(settings.store_url),
-            exc,
-        )
-        return
-    for warning in warnings:
-        log.warning("celery_lease: %s", warning)
-    log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
+            cast("Any", task)._resolve_lease_settings()
+    return settings
 
 
 def _is_test_worker(worker: Any) -> bool:
