@@ -5,8 +5,6 @@ Times are stored as microseconds since the epoch, so PostgreSQL and SQLite share
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import random
 import re
 import time
@@ -35,7 +33,6 @@ __all__ = [
     "SCHEMA_VERSION",
     "TABLE_RIGHTS",
     "WAITS_COMPRESSION",
-    "compress_waits",
     "create_tables",
     "grant_statements",
     "missing",
@@ -56,7 +53,6 @@ TABLE_RIGHTS: dict[str, tuple[str, ...]] = {
     "ledger": ("SELECT", "INSERT", "UPDATE", "DELETE"),
     "ckpt": ("SELECT", "INSERT", "UPDATE", "DELETE"),
 }
-log = logging.getLogger(__name__)
 _ROLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _DENIED_TABLE = re.compile(r'permission denied for (?:table|relation) "?([A-Za-z0-9_]+)')
 
@@ -109,8 +105,6 @@ def create_tables(
                     conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key})
                 metadata.create_all(conn, checkfirst=True)
                 _add_wait_columns(conn, tables["leases"])
-                if connections.dialect == "postgresql":
-                    compress_waits(conn, tables["leases"])
             break
         except SQLAlchemyError as exc:  # another process created them at the same time
             if permission_denied(exc):  # ... or this role may not: retrying cannot help
@@ -322,53 +316,22 @@ def wait_columns() -> list[sa.Column[Any]]:
 #: built with lz4, as the common packages are): each refused claim and each release rewrites the
 #: whole list, and with the default pglz compression that took about half of their server time
 #: once the list passed a few kB (``benchmarks/bench_wait_list.py``, 190 waiters of 400 bytes:
-#: 5.3 ms a claim with pglz, 2.7 ms with lz4; 32 waiters: 1.7 and 0.9 ms).
+#: 5.3 ms a claim with pglz, 2.7 ms with lz4; 32 waiters: 1.7 and 0.9 ms). Set right after
+#: the lease table is created, before any store uses it; a table made earlier is never altered
+#: by a store (the ALTER takes an ACCESS EXCLUSIVE lock, which waits behind every open reader of
+#: the table while every claim and renewal waits behind it): its owner can run it
+#: (docs/stores.md). A server that cannot (before 14, or without lz4) keeps its default.
 WAITS_COMPRESSION = "lz4"
 
 
-def compress_waits(conn: sa.Connection, leases: sa.Table) -> bool:
-    """Set the ``waits`` column's compression to :data:`WAITS_COMPRESSION` (PostgreSQL), once:
-    a table that has it, or that this role does not own, is left alone, and a server that
-    cannot (before 14, or built without lz4) keeps its default (pglz); a refusal changes
-    nothing else. Returns whether the column has it now."""
-    if (conn.dialect.server_version_info or (0,)) < (14,):
-        return False
-    row = conn.execute(
-        sa.text(
-            "SELECT a.attcompression::text, pg_catalog.pg_has_role(c.relowner, 'USAGE') "
-            "FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_attribute AS a "
-            "ON a.attrelid = c.oid AND a.attname = 'waits' "
-            "WHERE c.oid = pg_catalog.to_regclass(:t)"
-        ),
-        {"t": conn.dialect.identifier_preparer.format_table(leases)},
-    ).first()
-    if row is None:
-        return False
-    method, owner = row
-    if method == WAITS_COMPRESSION[0]:  # (the catalog's one-letter code: "l" for lz4)
-        return True
-    if not owner:
-        return False
-    quote = conn.dialect.identifier_preparer.quote
-    # (the store's connections are in autocommit mode: a refused ALTER ends alone; on a
-    # connection in a transaction it goes in a savepoint)
-    autocommit = getattr(conn.connection.dbapi_connection, "autocommit", False)
-    try:
-        with contextlib.nullcontext() if autocommit else conn.begin_nested():
-            conn.execute(
-                sa.text(
-                    f"ALTER TABLE {quote(leases.name)} ALTER COLUMN waits "
-                    f"SET COMPRESSION {WAITS_COMPRESSION}"
-                )
-            )
-    except SQLAlchemyError as exc:
-        log.info(
-            "the wait lists of %s keep PostgreSQL's default compression: %s",
-            leases.name,
-            first_line(exc),
-        )
-        return False
-    return True
+def _compress_waits_ddl() -> sa.DDL:
+    """The step after CREATE TABLE that sets the list's compression, or leaves the server's
+    default where the server refuses the method."""
+    return sa.DDL(  # type: ignore[no-untyped-call]  # (DDL.__init__ is unannotated)
+        "DO $$ BEGIN EXECUTE 'ALTER TABLE %(fullname)s ALTER COLUMN waits SET COMPRESSION "
+        f"{WAITS_COMPRESSION}'; EXCEPTION WHEN feature_not_supported OR syntax_error OR "
+        "invalid_parameter_value THEN NULL; END $$"
+    )
 
 
 def wait_index(prefix: str) -> sa.Index:
@@ -471,4 +434,6 @@ def tables(prefix: str) -> tuple[sa.MetaData, dict[str, sa.Table]]:
     # minimum, the last for Python 3.10) rejects it on every dialect.
     fillfactor = sa.DDL("ALTER TABLE %(fullname)s SET (fillfactor = 70)")  # type: ignore[no-untyped-call]  # (DDL.__init__ is unannotated)
     sa.event.listen(tables["leases"], "after_create", fillfactor.execute_if(dialect="postgresql"))
+    compress = _compress_waits_ddl()
+    sa.event.listen(tables["leases"], "after_create", compress.execute_if(dialect="postgresql"))
     return metadata, tables
