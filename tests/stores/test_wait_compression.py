@@ -12,7 +12,6 @@ method keeps its default.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import psycopg
@@ -24,6 +23,7 @@ from celery_lease import LeaseBusyError, Owner
 from celery_lease.stores import store_from_url
 from celery_lease.stores.sql import schema
 from tests.conftest import unique
+from tests.tooling.servers import wait_for
 
 pytestmark = pytest.mark.postgres
 
@@ -88,16 +88,6 @@ def lock_waits(url: str, text: str) -> bool:
             (text,),
         ).fetchone()
         return bool(row and row[0])
-
-
-def poll(check: Any, deadline: float = DEADLINE) -> bool:
-    """Whether ``check()`` came true before the deadline."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def in_thread(work: Any) -> threading.Thread:
@@ -184,7 +174,11 @@ class TestTablesMadeBefore:
 
             thread = in_thread(alter)
             try:
-                waiting = poll(lambda: lock_waits(url, "SET COMPRESSION pglz"))
+                waiting = wait_for(
+                    lambda: lock_waits(url, "SET COMPRESSION pglz"),
+                    DEADLINE,
+                    "the lock wait",
+                )
                 assert waiting and not done.is_set(), "the ALTER did not wait for the reader"
             finally:
                 report.close()
