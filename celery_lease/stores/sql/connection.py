@@ -53,13 +53,29 @@ SQLITE_BUSY_TIMEOUT = 30.0
 #: not in C (see :meth:`Connections._attempt`); False is the tests' negative control.
 COOPERATIVE_BUSY_WAIT = True
 
+#: How long one round of SQLite's busy wait in C lasts for a store call, in seconds; the store
+#: starts another round at once, until SQLITE_BUSY_TIMEOUT. SQLite's busy handler sleeps longer
+#: the longer a call has waited (1, 2, 5 ... up to 100 ms between tries), so under a burst a call
+#: that had waited for a while slept 100 ms at a time while newer ones took the write lock in
+#: between: a renewal waited 2 s behind six threads of refused claims, a release 4 s in a burst
+#: of 200 tasks. In rounds of 3 ms it tries after 0, 1 and 3 ms, again and again: never more
+#: than 2 ms apart. None: one round of SQLITE_BUSY_TIMEOUT (the tests' negative control).
+SQLITE_BUSY_ROUND: float | None = 0.003
 
-def set_sqlite_busy_wait(cursor: Any) -> bool:
+
+def set_sqlite_busy_wait(cursor: Any, rounds: bool = False) -> bool:
     """Set a SQLite connection's busy wait in C: SQLITE_BUSY_TIMEOUT, or none under gevent
-    (then Connections._attempt and create_tables wait through the hub). Whether it is none."""
+    (then Connections._attempt and create_tables wait through the hub), or with ``rounds``
+    (a store call's connection) one round of SQLITE_BUSY_ROUND (Connections._attempt starts
+    the next). Whether Connections._attempt is to wait on when the database is locked."""
     green = COOPERATIVE_BUSY_WAIT and gevent_patched()
-    cursor.execute(f"PRAGMA busy_timeout={0 if green else round(SQLITE_BUSY_TIMEOUT * 1000)}")
-    return green
+    wait = SQLITE_BUSY_TIMEOUT
+    if green:
+        wait = 0.0
+    elif rounds and SQLITE_BUSY_ROUND is not None:
+        wait = SQLITE_BUSY_ROUND
+    cursor.execute(f"PRAGMA busy_timeout={round(wait * 1000)}")
+    return wait < SQLITE_BUSY_TIMEOUT
 
 
 def database_locked(exc: BaseException) -> bool:
@@ -184,10 +200,13 @@ class Connections:
         """One attempt of :meth:`run` (shielded, its driver errors translated by the caller):
         ``work``'s result, or ``_RETRY`` when the connection broke on the first attempt.
 
-        A SQLite connection made under gevent has no busy wait in C: a locked database is
-        asked again here after a sleep that lets the hub run the other greenlets. In C the
-        whole process slept, the greenlet holding the lock with it if it had switched away
-        inside its transaction, so the lock stayed held until the call failed at the deadline.
+        A SQLite connection waits in C for a locked database only for one short round
+        (SQLITE_BUSY_ROUND), or not at all under gevent: then the work is asked again here,
+        until SQLITE_BUSY_TIMEOUT, at once after a round (SQLite's own wait would sleep ever
+        longer between tries, and a call that had waited long lost the lock to newer ones), or
+        under gevent after a sleep that lets the hub run the other greenlets. In C the whole
+        process slept, the greenlet holding the lock with it if it had switched away inside its
+        transaction, so the lock stayed held until the call failed at the deadline.
         """
         if self.serial is not None:
             self.serial.acquire()
@@ -213,14 +232,15 @@ class Connections:
                         rollback_quietly(held.conn)
                     if not disconnected:
                         free.put(held)  # the statement failed; the connection is fine
-                        if held.green and database_locked(exc):
+                        if held.rounds and database_locked(exc):
                             # (rolled back: nothing was written, the work may run again)
                             now = monotonic()
                             if not deadline:
                                 deadline = now + SQLITE_BUSY_TIMEOUT
                             if now < deadline:
-                                time.sleep(min(pause, deadline - now))  # gevent's: a switch
-                                pause = min(pause * 2, 0.02)
+                                if held.green:
+                                    time.sleep(min(pause, deadline - now))  # a hub switch
+                                    pause = min(pause * 2, 0.02)
                                 continue
                         raise
                     held.invalidate(exc)
@@ -238,14 +258,16 @@ class Connections:
 
     def _connect(self) -> Connection:
         conn = self.engine.raw_connection()
-        green = False
+        green = rounds = False
         if self.dialect == "sqlite":  # (again: a pooled connection may predate the patching)
             cursor = conn.cursor()
-            green = set_sqlite_busy_wait(cursor)
+            rounds = set_sqlite_busy_wait(cursor, rounds=True)
+            green = rounds and COOPERATIVE_BUSY_WAIT and gevent_patched()
             cursor.close()
         return Connection(
             conn,
             green=green,
+            rounds=rounds,
             # Closed for real when it is discarded or the store closes: put back into the pool,
             # it could land in one that a reconnect disposed meanwhile, and leak. (Not the one
             # shared connection of an in-memory SQLite database.)
@@ -287,14 +309,22 @@ _RETRY = object()
 class Connection:
     """A connection checked out of the engine's pool, with its cursor; closed when dropped."""
 
-    __slots__ = ("conn", "cursor", "detach", "green", "pid")
+    __slots__ = ("conn", "cursor", "detach", "green", "pid", "rounds")
 
     def __init__(
-        self, conn: Any, *, detach: bool = True, postgresql: bool = False, green: bool = False
+        self,
+        conn: Any,
+        *,
+        detach: bool = True,
+        postgresql: bool = False,
+        green: bool = False,
+        rounds: bool = False,
     ) -> None:
         self.conn = conn
         #: SQLite under gevent: no busy wait in C, Connections waits through the hub.
         self.green = green
+        #: SQLite: the busy wait in C is short (or none), Connections starts the next round.
+        self.rounds = rounds
         # PostgreSQL (psycopg 3.2+): a cursor that keeps the raw cursor its long statements
         # use (see wait_statements.fetch), made once per connection instead of once a call.
         cursor = raw_keeping_cursor(conn.dbapi_connection) if postgresql else None
