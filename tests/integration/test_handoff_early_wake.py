@@ -1,5 +1,5 @@
 """The early wake with real workers (issue 10): the next waiter's message goes out while the
-release's reply is on its way (``lease_handoff_early_wake``, Redis).
+release's reply is on its way (``lease_handoff_early_wake``, Redis and PostgreSQL).
 
 H holds, then W1 and W2 join the wait list. When H releases, W1 claims, and its claim names
 W2 as the waiter a release would wake. Worker A runs H and W1 and reaches the store through a
@@ -28,12 +28,15 @@ ENV = {"CL_TTL": "10", "CL_BACKOFF_BASE": "5", "CL_BACKOFF_CAP": "10"}
 LATENCY = 0.3  # seconds each way on worker A's store connection
 
 
-def _hand_over(it_app, start_worker, store_env, events, queue, coord, extra_b, extra_a):
+STORES = ["redis", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+def _hand_over(it_app, start_worker, store_env, events, queue, coord, extra_b, extra_a, kind):
     """H, then W1 (worker A, store behind the delaying proxy) hold; W (worker B) waits.
     Returns (W1's exit time, W's enter events, W's result, worker B)."""
     from tests.tooling.proxy import TcpProxy
 
-    env = {**store_env("redis"), **ENV}
+    env = {**store_env(kind), **ENV}
     port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
     with TcpProxy(port) as proxy:
         env_a = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), **extra_a}
@@ -71,15 +74,16 @@ def _queue_and_release(it_app, events, coord, proxy, n, qa, qb):
     return events.where(ev="exit", res=n, k=1)[0]["t"], waiter
 
 
+@pytest.mark.parametrize("kind", STORES)
 @pytest.mark.parametrize("retry", ["on", "off"])
 def test_an_early_copy_refused_before_the_release_landed_comes_again_shortly(
-    it_app, start_worker, store_env, events, queue, coord, retry
+    it_app, start_worker, store_env, events, queue, coord, retry, kind
 ):
     """Failed before the fix as the negative control does (W started 5 s or more after H
     ended): a refused early copy re-armed nothing and waited with the back-off."""
     extra_b = {"CL_EARLY_RETRY": "off"} if retry == "off" else {}
     exited, entered, result, worker_b = _hand_over(
-        it_app, start_worker, store_env, events, queue, coord, extra_b, {}
+        it_app, start_worker, store_env, events, queue, coord, extra_b, {}, kind
     )
     assert result == 2
     assert len(entered) == 1, f"W's body ran {len(entered)} times"
@@ -92,8 +96,9 @@ def test_an_early_copy_refused_before_the_release_landed_comes_again_shortly(
     assert late < 3.0
 
 
+@pytest.mark.parametrize("kind", STORES)
 def test_a_releaser_killed_after_its_early_wake_leaves_the_waiter_to_run_once(
-    it_app, start_worker, store_env, events, queue, coord, tmp_path
+    it_app, start_worker, store_env, events, queue, coord, tmp_path, kind
 ):
     """SIGKILL once the release and the early wake are sent, before the reply is read."""
     kill = {
@@ -101,7 +106,7 @@ def test_a_releaser_killed_after_its_early_wake_leaves_the_waiter_to_run_once(
         "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
     }
     _, entered, result, _ = _hand_over(
-        it_app, start_worker, store_env, events, queue, coord, {}, kill
+        it_app, start_worker, store_env, events, queue, coord, {}, kill, kind
     )
     assert (tmp_path / "once.after_early_wake").exists()  # W1's worker was killed there
     assert result == 2

@@ -380,8 +380,10 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
         ms = int(statement_timeout * 1000)
         seconds = max(1, math.ceil(statement_timeout))
         kwargs["connect_args"] = {
+            # (jit off: the store's statements are short, and compiling one whose estimate
+            # passes jit_above_cost took 0.5 s, a thousand times its run)
             "options": f"-c statement_timeout={ms} -c lock_timeout={ms} "
-            f"-c idle_in_transaction_session_timeout={ms * 2}",
+            f"-c idle_in_transaction_session_timeout={ms * 2} -c jit=off",
             # The server enforces the timeouts above only while it runs and can reach us. A
             # connection to a host that died or a network that drops packets would otherwise
             # block its thread until TCP gives up (about 15 minutes): bound the connect, the

@@ -7,6 +7,7 @@ shares) and calls them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..._codec import from_micros
@@ -99,12 +100,16 @@ def release_outcome(
     cursor: Any,
     params: dict[str, Any],
     retention_us: int,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[int, str | None]:
     """Release and record the identity's outcome in one step: the rows released (0 or 1) and
-    the payload of the waiter it woke."""
+    the payload of the waiter it woke; PostgreSQL runs ``meanwhile`` once the statement is
+    sent (see wait_statements.overlapped)."""
     params = {**params, "ret": retention_us}
     if db.dialect == "postgresql":
-        return wait_sql.released(wait_sql.fetch(cursor, ledger.release_outcome_raw, params))
+        return wait_sql.released(
+            wait_sql.fetch(cursor, ledger.release_outcome_raw, params, meanwhile)
+        )
     with db.immediate(cursor):
         cursor.execute(ledger.ident_outcome, params)
         return waits.release_sqlite(cursor, sql, params)

@@ -63,6 +63,10 @@ class ClaimRow(NamedTuple):
     wake: Any = None
     hold: Any = None
     hold_until: Any = None
+    #: When claimed (PostgreSQL, when asked): the payload a release would wake now, and the
+    #: payload of the claimant's own place as the claim took it off the list (invariant 15).
+    next_wake: Any = None
+    own_wake: Any = None
 
 
 def identity_fields(ident: tuple[Any, ...]) -> dict[str, Any]:

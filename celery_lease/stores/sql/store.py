@@ -113,6 +113,10 @@ class SQLLeaseStore(BaseLeaseStore):
         self.engine = engine
         self.url = mask_url(engine.url.render_as_string(hide_password=True))
         self.dialect = engine.dialect.name
+        #: PostgreSQL: claims name the next waiter and releases run ``meanwhile`` while their
+        #: statement is on its way (invariant 15). SQLite's release is not sent anywhere: a
+        #: wake sent before it would only find the resource still held.
+        self.supports_early_wake = self.dialect == "postgresql"
         if self.dialect not in ("postgresql", "sqlite"):
             raise LeaseConfigError(
                 f"SQLLeaseStore supports PostgreSQL and SQLite, not {self.dialect!r} ({self.url})"
@@ -254,6 +258,8 @@ class SQLLeaseStore(BaseLeaseStore):
         wait: str | None = None,
         wait_ttl: float = 120.0,
         attempt: int | None = None,
+        early_wake: bool = False,
+        own_wake: bool = False,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
@@ -271,6 +277,9 @@ class SQLLeaseStore(BaseLeaseStore):
             "wbytes": self.wait_bytes_cap,
             "grace": max(1, round(self.handoff_grace * 1e6)),
             "a": self._attempt_args(attempt),
+            # (invariant 15, PostgreSQL: SQLite's statements do not name them)
+            "nw": early_wake,
+            "ow": own_wake,
         }
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:
@@ -327,7 +336,7 @@ class SQLLeaseStore(BaseLeaseStore):
             prev_label, prev_fence = previous_owner(
                 prev_label, prev_fence, i_label, i_fence if i_state is not None else None
             )
-            return Lease(
+            lease = Lease(
                 resource=resource,
                 owner=owner,
                 fence=int(fence),
@@ -344,6 +353,9 @@ class SQLLeaseStore(BaseLeaseStore):
                 identity_owner_label=i_label if i_state is not None else None,
                 identity_fence=int(i_fence) if i_state is not None and i_fence else None,
             )
+            if claimed:  # (a claim sent again after a lost reply says nothing: no place)
+                lease.next_wake, lease.own_wake = row.next_wake, row.own_wake
+            return lease
         raise LeaseBusyError.held(resource, None, None, None)
 
     def _completed_meanwhile(
@@ -455,8 +467,23 @@ class SQLLeaseStore(BaseLeaseStore):
         raise why_lost(lease, token, label, fence, expires, now, forced)
 
     def release(
-        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
+        self,
+        lease: Lease,
+        *,
+        outcome: str | None = None,
+        result: str | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> bool:
+        """See :meth:`LeaseStore.release`; ``meanwhile`` (called once, also when the call
+        fails) runs while the release's answer is awaited on PostgreSQL (the statement is on
+        its way first), after the release on SQLite (whose release is not sent anywhere)."""
+        if meanwhile is not None:
+            meanwhile = _Once(meanwhile)
+            if self.dialect != "postgresql":
+                try:
+                    return self.release(lease, outcome=outcome, result=result)
+                finally:
+                    meanwhile()
         self._renew_ttl(lease, None)
         self._outcome_args(lease, outcome)
         params = {"r": lease.resource, "t": lease.owner.token, "f": lease.fence}
@@ -480,13 +507,20 @@ class SQLLeaseStore(BaseLeaseStore):
                         "res": result if outcome == "done" else None,
                     },
                     self._retention_us,
+                    meanwhile,
                 )
             if self.dialect == "postgresql":
-                return wait_sql.released(wait_sql.fetch(cursor, self.sql.release_raw, params))
+                return wait_sql.released(
+                    wait_sql.fetch(cursor, self.sql.release_raw, params, meanwhile)
+                )
             with self._connections.immediate(cursor):
                 return waits.release_sqlite(cursor, self.sql, params)
 
-        released, lease.handoff = self._run_waits(f"release of {lease.resource!r}", work)
+        try:
+            released, lease.handoff = self._run_waits(f"release of {lease.resource!r}", work)
+        finally:
+            if meanwhile is not None:
+                meanwhile()  # (once: not again when the statement ran it)
         return released == 1
 
     def _claim_identity(self, cursor: Any, params: dict[str, Any]) -> ClaimRow | None:
@@ -666,3 +700,18 @@ class SQLLeaseStore(BaseLeaseStore):
         self._connections.close()
         if self._owns_engine:
             self.engine.dispose()
+
+
+class _Once:
+    """A callable that runs ``fn`` on its first call only (a release may send its statement
+    twice: after a broken connection, or in the one-statement forms)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()

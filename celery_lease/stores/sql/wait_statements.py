@@ -40,6 +40,7 @@ __all__ = [
     "Functions",
     "Raw",
     "claim_settle",
+    "claim_wake_columns",
     "fetch",
     "functions",
     "hand_off_columns",
@@ -137,7 +138,9 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
               || CASE WHEN act.joins AND act.mine IS NULL AND act.fits
                  THEN jsonb_build_array(
                      jsonb_build_array({i}, act.now, act.now + {wttl}, 0, {w}, {a}))
-                 ELSE '[]'::jsonb END AS list
+                 ELSE '[]'::jsonb END AS list,
+              CASE WHEN act.verdict = 'claim' AND NOT act.stale AND {p("ow")}::boolean
+                   THEN (SELECT x.e->>4 FROM lw AS x WHERE x.e->>0 = {i} LIMIT 1) END AS own
             FROM act),
         take AS (
             UPDATE {t} AS u SET
@@ -174,6 +177,24 @@ def hand_off_columns(p: Callable[[str], str]) -> str:
             CASE WHEN h.verdict = 'held' THEN h.head->>0 END,
             CASE WHEN h.wakes THEN h.now + {p("grace")}::bigint
                  ELSE (h.head->>3)::bigint END"""
+
+
+def claim_wake_columns(p: Callable[[str], str], nl: str = "nl") -> str:
+    """Two more columns of a claim, from ``nl`` (its row when the claim took the lease; NULL
+    when refused): the payload a release would wake if it ran now (the first live waiter
+    never woken, none while a wake is in flight; only when asked, ``nw``) and the payload of
+    the claimant's own place as the claim took it off the list (``ow``); invariant 15.
+    Scalar subqueries, not joins: one more join of a set-returning function's rows made the
+    planner's estimate big enough for PostgreSQL's JIT, 0.5 s of compiling per claim."""
+    return f"""
+            (SELECT CASE WHEN {p("nw")}::boolean AND NOT EXISTS (
+                        SELECT 1 FROM jsonb_array_elements(g.list) AS y(e)
+                        WHERE (y.e->>3)::bigint > g.now)
+                    THEN (SELECT x.e->>4
+                          FROM jsonb_array_elements(g.list) WITH ORDINALITY AS x(e, n)
+                          WHERE (x.e->>3)::bigint = 0 ORDER BY x.n LIMIT 1) END
+             FROM {nl} AS g WHERE g.verdict = 'claim'),
+            (SELECT g.own FROM {nl} AS g WHERE g.verdict = 'claim')"""
 
 
 def _release_places() -> str:
@@ -238,6 +259,8 @@ SETTLE_ARGS = (
     ("wbytes", "bigint"),
     ("grace", "bigint"),
     ("a", "bigint"),
+    ("nw", "boolean"),
+    ("ow", "boolean"),
     ("now", "bigint"),
     ("running", "bigint"),
     ("was_fence", "bigint"),
@@ -247,12 +270,14 @@ SETTLE_ARGS = (
 #: How many of SETTLE_ARGS are the claim's own parameters (the rest come from the statement).
 CLAIM_ARGS = [name for name, _ in SETTLE_ARGS].index("now")
 #: What the settling function returns (as ``SETOF record``, shaped by :func:`settle_call`): the
-#: new lease (``took``), then the lease row as it stood, then :func:`hand_off_columns`.
+#: new lease (``took``), then the lease row as it stood, then :func:`hand_off_columns` and
+#: :func:`claim_wake_columns`.
 SETTLE_COLUMNS = (
     "o_took boolean, o_fence bigint, o_acquired bigint, o_expires bigint, "
     "o_prev_label varchar, o_prev_fence bigint, o_token varchar, o_label varchar, "
     "o_hfence bigint, o_hacquired bigint, o_hexpires bigint, o_hprev_label varchar, "
-    "o_hprev_fence bigint, o_position bigint, o_wake text, o_hold text, o_hold_until bigint"
+    "o_hprev_fence bigint, o_position bigint, o_wake text, o_hold text, o_hold_until bigint, "
+    "o_next_wake text, o_own_wake text"
 )
 
 
@@ -290,7 +315,8 @@ def functions(t: str, prefix: str, now: str, quote: Callable[[str], str]) -> Fun
     }
             SELECT coalesce(k.took, false), k.fence, k.acquired_us, k.expires_us,
                    k.prev_label, k.prev_fence, h.owner_token, h.owner_label, h.fence,
-                   h.acquired_us, h.expires_us, h.prev_label, h.prev_fence,{hand_off_columns(v)}
+                   h.acquired_us, h.expires_us, h.prev_label, h.prev_fence,{hand_off_columns(v)},
+                   {claim_wake_columns(v)}
             FROM nl AS h LEFT JOIN take AS k ON true;
         END"""
     hand_off_body = f"""
@@ -386,8 +412,14 @@ def raw(text: str) -> Raw:
     return Raw(text, dollar, tuple(names), dollar.encode() if dollar.isascii() else dollar)
 
 
-def fetch(cursor: Any, statement: Raw, params: dict[str, Any]) -> Any:
-    """Run a long statement and return its one row.
+def fetch(
+    cursor: Any,
+    statement: Raw,
+    params: dict[str, Any],
+    meanwhile: Callable[[], None] | None = None,
+) -> Any:
+    """Run a long statement and return its one row; ``meanwhile`` (see :func:`overlapped`)
+    runs once the statement is sent, before its answer is read.
 
     psycopg converts ``%(name)s`` placeholders on every call for a statement longer than 4 KB
     (it caches shorter ones): for the claim with its wait list that was 150-200 us of client
@@ -401,6 +433,8 @@ def fetch(cursor: Any, statement: Raw, params: dict[str, Any]) -> Any:
         cursor.execute(statement.text, params)
         return cursor.fetchone()
     values = [params[name] for name in statement.names]
+    if meanwhile is not None:
+        return overlapped(cursor.connection, statement, values, meanwhile)
     kept: Any = getattr(cursor, "raw", False)  # the store's cursors keep theirs (None: not yet)
     if kept is False:
         with raw_cursor(cursor.connection) as rc:
@@ -410,3 +444,63 @@ def fetch(cursor: Any, statement: Raw, params: dict[str, Any]) -> Any:
         kept = cursor.raw = raw_cursor(cursor.connection)
     kept.execute(statement.query, values)
     return kept.fetchone()
+
+
+#: How often psycopg's wait for a socket wakes to look for an interrupt, in seconds, as
+#: psycopg's own connections do (0, its default for a bare wait, polls the socket in a loop).
+_WAIT_INTERVAL = 0.1
+
+#: Result column types an overlapped statement answers as int (int8, int2, int4); the rest as text.
+_INT_TYPES = frozenset((20, 21, 23))
+
+
+def overlapped(conn: Any, statement: Raw, values: list[Any], meanwhile: Callable[[], None]) -> Any:
+    """Send ``statement`` on psycopg connection ``conn`` (autocommit), run ``meanwhile``, then
+    read the statement's one row (None when it has none): a release whose wake goes out while
+    the release is on its way (early wake). psycopg's cursors send and read in one call, so
+    this goes through libpq (psycopg's ``pgconn``) with text parameters, typed by the server
+    from the statement. Errors are psycopg's, as from a cursor (a broken connection makes
+    ``conn.closed`` true, which SQLAlchemy reads as a disconnect). ``meanwhile`` runs when
+    the statement is on its way, or when sending it failed."""
+    from psycopg import errors, generators, pq, waiting  # (only PostgreSQL stores call this)
+
+    pgconn = conn.pgconn
+    encoding = conn.info.encoding
+    text = [None if v is None else _text_param(v, encoding) for v in values]
+    query = statement.query
+    if not isinstance(query, bytes):
+        query = statement.dollar.encode(encoding)
+    try:
+        pgconn.send_query_params(query, text)
+        waiting.wait(generators.send(pgconn), pgconn.socket, _WAIT_INTERVAL)
+    except BaseException:
+        meanwhile()
+        raise
+    meanwhile()
+    results = waiting.wait(generators.fetch_many(pgconn), pgconn.socket, _WAIT_INTERVAL)
+    row = None
+    for result in results:
+        if result.status == pq.ExecStatus.FATAL_ERROR:
+            raise errors.error_from_result(result, encoding=encoding)
+        if result.ntuples and row is None:
+            row = tuple(
+                _column(result.get_value(0, i), result.ftype(i), encoding)
+                for i in range(result.nfields)
+            )
+    return row
+
+
+def _text_param(value: Any, encoding: str) -> bytes:
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, int):
+        return str(value).encode()
+    return str(value).encode(encoding)
+
+
+def _column(value: bytes | None, oid: int, encoding: str) -> Any:
+    if value is None:
+        return None
+    if oid in _INT_TYPES:
+        return int(value)
+    return bytes(value).decode(encoding)
