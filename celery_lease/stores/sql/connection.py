@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +77,15 @@ def set_sqlite_busy_wait(cursor: Any, rounds: bool = False) -> bool:
         wait = SQLITE_BUSY_ROUND
     cursor.execute(f"PRAGMA busy_timeout={round(wait * 1000)}")
     return wait < SQLITE_BUSY_TIMEOUT
+
+
+def database_busy(exc: BaseException) -> bool:
+    """Whether a SQLite error is SQLITE_BUSY: another connection has the write lock (what
+    SQLite's busy handler waits for; not SQLITE_LOCKED, a shared cache's table lock)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF == 5
+    return "database is locked" in str(exc)
 
 
 def database_locked(exc: BaseException) -> bool:
@@ -229,10 +239,19 @@ class Connections:
                         None,
                     )
                     if self.dialect == "sqlite":
-                        rollback_quietly(held.conn)
+                        try:
+                            rollback_quietly(held.conn)
+                        except BaseException:  # interrupted (a soft time limit): not reused
+                            held.invalidate(exc)
+                            free.discard(held)
+                            raise
                     if not disconnected:
                         free.put(held)  # the statement failed; the connection is fine
-                        if held.rounds and database_locked(exc):
+                        # (rounds for SQLITE_BUSY; a shared cache's SQLITE_LOCKED, which
+                        # SQLite never waits for, only through the hub: no round would pause)
+                        if held.rounds and (
+                            database_busy(exc) if not held.green else database_locked(exc)
+                        ):
                             # (rolled back: nothing was written, the work may run again)
                             now = monotonic()
                             if not deadline:
@@ -463,9 +482,11 @@ def fetch(cursor: Any, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | No
 
 
 def rollback_quietly(conn: Any) -> None:
+    """Roll back after a failed SQLite statement; a driver error doing so is only logged. Any
+    other exception (a soft time limit's, raised by its signal handler) goes on."""
     try:
         conn.rollback()
-    except Exception:  # the connection is being discarded anyway
+    except (sqlite3.Error, SQLAlchemyError):
         log.debug("rollback after a failed SQLite statement failed", exc_info=True)
 
 
