@@ -139,6 +139,10 @@ ROUTE_HEADER = "celery_lease_wake_route"
 #: re-arming its place, so the release still wakes it (the releaser sent that wake already).
 EARLY_HEADER = "celery_lease_early"
 EARLY_RETRY_DELAYS = (0.02, 0.1, 0.5)
+#: Such a copy that came through a wake queue is sent again through it too, on the waiter's
+#: route (the tests' negative control sets False): on its task queue it waited behind the
+#: burst's first attempts, 0.5-0.8 s where 20 ms was meant.
+EARLY_RETRY_VIA_WAKE_QUEUE = True
 #: An early wake only follows a body shorter than this (seconds): the claim's guess at the
 #: next waiter grows stale as the body runs (a back-stop copy re-arms it with a new message),
 #: and past a few seconds the round trip it saves is noise.
@@ -1189,6 +1193,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                 # (0 after the last: still an early copy, see the give-up below)
                 {EARLY_HEADER: left - 1},
                 store=self.track_started or not waits,
+                via_wake_queue=EARLY_RETRY_VIA_WAKE_QUEUE,
             )
         if waits >= settings.busy_max_waits and not duplicate and early is None:
             # A late copy of a waiter that gave up already (its other copy was refused at its
@@ -1449,12 +1454,19 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
 
     def _requeue(
-        self, exc: LeaseError, delay: float, updates: dict[str, Any], store: bool = True
+        self,
+        exc: LeaseError,
+        delay: float,
+        updates: dict[str, Any],
+        store: bool = True,
+        via_wake_queue: bool = False,
     ) -> Any:
         """Send this execution again after ``delay`` without touching ``request.retries``.
 
         ``updates`` sets our budget headers on the new message (None drops one). Ends with
         ``Retry`` (Celery stores RETRY), or with ``Ignore`` (nothing stored) when not ``store``.
+        With ``via_wake_queue``, a copy delivered from a wake queue is sent through it again
+        (on its own route as a wake is, see _to_wake_queue), not behind its queue's backlog.
         """
         request = self.request
         headers = dict(request.headers or {})
@@ -1467,6 +1479,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         signature = self.signature_from_request(
             request, countdown=delay, retries=request.retries or 0, headers=headers
         )
+        via = getattr(request, "lease_wake_queue", None) if via_wake_queue else None
+        if isinstance(via, str):
+            _to_wake_queue(signature.options, signature.options.setdefault("headers", {}), via)
         signature.apply_async()
         if not store:
             raise Ignore(f"{exc}: sent again in {delay:.2f}s") from exc

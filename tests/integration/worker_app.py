@@ -599,6 +599,14 @@ if env.get("CL_EARLY_RETRY") == "off":
     _early_task_module.EARLY_RETRY_DELAYS = ()
 
 
+if env.get("CL_EARLY_RETRY_ROUTE") == "own":
+    # Negative control of test_handoff_early_wake.py: a refused early copy is sent again on
+    # its task queue, behind that queue's backlog, instead of through the wake queue.
+    import celery_lease._task as _early_route_module
+
+    _early_route_module.EARLY_RETRY_VIA_WAKE_QUEUE = False
+
+
 if env.get("CL_FAILED_COPY") == "run":
     # Negative control of test_handoff_outcomes.py: no copy is taken for one of a failed
     # execution, so the other copy of a failed waiter runs its body again.

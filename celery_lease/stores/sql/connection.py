@@ -84,7 +84,7 @@ def database_busy(exc: BaseException) -> bool:
     SQLite's busy handler waits for; not SQLITE_LOCKED, a shared cache's table lock)."""
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None:
-        return code & 0xFF == 5
+        return int(code) & 0xFF == 5
     return "database is locked" in str(exc)
 
 
