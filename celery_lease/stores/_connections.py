@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 
 from .._pid import getpid
 
-__all__ = ["MAX_IDLE", "PER_THREAD", "FreeList"]
+__all__ = ["MAX_IDLE", "PER_THREAD", "FreeList", "Once"]
 
 C = TypeVar("C")
 
@@ -132,3 +132,18 @@ class FreeList(Generic[C]):
             conn = self._connect()
             self._local.conn, self._local.pid = conn, getpid()
         return conn
+
+
+class Once:
+    """A callable that runs ``fn`` on its first call only: a release's ``meanwhile``, which a
+    store may reach twice (a call tried again on a fresh connection, or in another form)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()

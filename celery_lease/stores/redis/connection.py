@@ -16,7 +16,7 @@ from typing import Any
 from ..._errors import LeaseConfigError, LeaseStoreError
 from ..._interrupt import shielded
 from ..._names import mask_url
-from .._connections import FreeList
+from .._connections import FreeList, Once
 from ..base import connection_refused
 
 try:
@@ -98,20 +98,6 @@ class Translate:
             ) from exc
 
 
-class _Once:
-    """A callable that runs ``fn`` on its first call only."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn: Callable[[], None] | None = fn
-
-    def __call__(self) -> None:
-        fn, self.fn = self.fn, None
-        if fn is not None:
-            fn()
-
-
 class Script:
     """A Lua script of one store: EVALSHA, loading it once when the server lacks it.
 
@@ -135,7 +121,7 @@ class Script:
     ) -> Any:
         """Run the script; ``meanwhile`` (called once) runs while its reply is awaited."""
         connections = self.connections if via is None else via
-        once = _Once(meanwhile) if meanwhile is not None else None
+        once = Once(meanwhile) if meanwhile is not None else None
         try:
             return connections.evalsha(self.sha, keys, args, once)
         except redis.exceptions.NoScriptError:
@@ -193,7 +179,7 @@ class Connections:
 
         ``meanwhile`` runs once the command is sent, before its reply is read (before the
         command, through a client without a plain connection pool); a connection tried again
-        does not run it again when it is a :class:`_Once`.
+        does not run it again when it is a :class:`Once`.
         """
         pack = self.pack
         if self.pool is None or pack is None or len(keys) > _HEAD_KEYS:

@@ -32,6 +32,7 @@ from ..._errors import (
 )
 from ..._lease import Lease, LeaseInfo, Owner
 from ..._names import mask_url, validate_identifier, validate_resource
+from .._connections import Once
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -478,7 +479,7 @@ class SQLLeaseStore(BaseLeaseStore):
         fails) runs while the release's answer is awaited on PostgreSQL (the statement is on
         its way first), after the release on SQLite (whose release is not sent anywhere)."""
         if meanwhile is not None:
-            meanwhile = _Once(meanwhile)
+            meanwhile = Once(meanwhile)
             if self.dialect != "postgresql":
                 try:
                     return self.release(lease, outcome=outcome, result=result)
@@ -700,18 +701,3 @@ class SQLLeaseStore(BaseLeaseStore):
         self._connections.close()
         if self._owns_engine:
             self.engine.dispose()
-
-
-class _Once:
-    """A callable that runs ``fn`` on its first call only (a release may send its statement
-    twice: after a broken connection, or in the one-statement forms)."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn: Callable[[], None] | None = fn
-
-    def __call__(self) -> None:
-        fn, self.fn = self.fn, None
-        if fn is not None:
-            fn()
