@@ -484,7 +484,9 @@ class TestPostgresRawCursor:
     def test_a_cursor_factory_the_user_configured_is_kept(self, request, tmp_path):
         """engine_options connect_args cursor_factory (ClientCursor: the usual setting behind
         PgBouncer's transaction pooling) gives the store's cursors, as before the kept raw
-        cursor; the long statements still go through a raw cursor, a new one per call."""
+        cursor; the long statements still go through a raw cursor, a new one per call, and
+        nothing is prepared on the server: not after psycopg's prepare_threshold (5 runs: seen
+        failing at 6 claims), nor by an overlapped release (early wake)."""
         store = make_store(
             "postgres",
             request,
@@ -492,8 +494,10 @@ class TestPostgresRawCursor:
             engine_options={"connect_args": {"cursor_factory": psycopg.ClientCursor}},
         )
         try:
-            for i in range(3):
+            for i in range(8):
                 store.release(store.acquire(f"cf-{i}", Owner.new("t"), 30))
+                lease = store.acquire(f"cf-{i}", Owner.new("t"), 30, identity="x", early_wake=True)
+                store.release(lease, outcome="done", meanwhile=lambda: None)
             for _ in range(10):
                 store.get("cf-0")
             (held,) = store._connections.free._idle

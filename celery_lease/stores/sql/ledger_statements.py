@@ -224,7 +224,7 @@ class LedgerStatements:
                    o.state, o.fence, o.owner_label, o.result,
                    ({self.ckpt_read}), (SELECT us FROM clk), h.o_hprev_label, h.o_hprev_fence,
                    coalesce(h.o_position, 0), h.o_wake, h.o_hold, h.o_hold_until,
-                   (SELECT g.o_next_wake FROM s AS g WHERE g.o_took),
+                   (SELECT g.o_next_wake FROM s AS g),
                    (SELECT g.o_own_wake FROM s AS g WHERE g.o_took)
             FROM (SELECT 1) AS one
             LEFT JOIN claimed AS c ON true

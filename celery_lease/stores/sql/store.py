@@ -354,8 +354,9 @@ class SQLLeaseStore(BaseLeaseStore):
                 identity_owner_label=i_label if i_state is not None else None,
                 identity_fence=int(i_fence) if i_state is not None and i_fence else None,
             )
-            if claimed:  # (a claim sent again after a lost reply says nothing: no place)
-                lease.next_wake, lease.own_wake = row.next_wake, row.own_wake
+            lease.next_wake = row.next_wake  # (also for the same claim sent again)
+            if claimed:  # (sent again, it has no place: the first run took it)
+                lease.own_wake = row.own_wake
             return lease
         raise LeaseBusyError.held(resource, None, None, None)
 

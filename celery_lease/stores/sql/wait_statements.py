@@ -180,10 +180,11 @@ def hand_off_columns(p: Callable[[str], str]) -> str:
 
 
 def claim_wake_columns(p: Callable[[str], str], nl: str = "nl") -> str:
-    """Two more columns of a claim, from ``nl`` (its row when the claim took the lease; NULL
-    when refused): the payload a release would wake if it ran now (the first live waiter
-    never woken, none while a wake is in flight; only when asked, ``nw``) and the payload of
-    the claimant's own place as the claim took it off the list (``ow``); invariant 15.
+    """Two more columns of a claim, from ``nl``: the payload a release would wake if it ran
+    now (the first live waiter never woken, none while a wake is in flight; only when asked,
+    ``nw``), for a claim that took the lease or holds it already (the same claim sent again),
+    and the payload of the claimant's own place as the claim took it off the list (``ow``);
+    NULL when refused. Invariant 15.
     Scalar subqueries, not joins: one more join of a set-returning function's rows made the
     planner's estimate big enough for PostgreSQL's JIT, 0.5 s of compiling per claim."""
     return f"""
@@ -193,7 +194,7 @@ def claim_wake_columns(p: Callable[[str], str], nl: str = "nl") -> str:
                     THEN (SELECT x.e->>4
                           FROM jsonb_array_elements(g.list) WITH ORDINALITY AS x(e, n)
                           WHERE (x.e->>3)::bigint = 0 ORDER BY x.n LIMIT 1) END
-             FROM {nl} AS g WHERE g.verdict = 'claim'),
+             FROM {nl} AS g WHERE g.verdict IN ('claim', 'mine')),
             (SELECT g.own FROM {nl} AS g WHERE g.verdict = 'claim')"""
 
 
@@ -433,12 +434,18 @@ def fetch(
         cursor.execute(statement.text, params)
         return cursor.fetchone()
     values = [params[name] for name in statement.names]
-    if meanwhile is not None:
-        return overlapped(cursor.connection, statement, values, meanwhile)
     kept: Any = getattr(cursor, "raw", False)  # the store's cursors keep theirs (None: not yet)
+    if meanwhile is not None and not any(isinstance(v, str) and "\x00" in v for v in values):
+        # (a NUL would cut libpq's text parameter short: such a call takes the cursor, which
+        # refuses it, as it always did; the store runs meanwhile after it)
+        conn = cursor.connection
+        prepare = kept is not False and conn.prepare_threshold is not None
+        return overlapped(conn, statement, values, meanwhile, prepare)
     if kept is False:
+        # The user's cursor_factory (ClientCursor behind PgBouncer's transaction pooling):
+        # nothing is prepared on the server, which another client's session may get next.
         with raw_cursor(cursor.connection) as rc:
-            rc.execute(statement.query, values)
+            rc.execute(statement.query, values, prepare=False)
             return rc.fetchone()
     if kept is None:
         kept = cursor.raw = raw_cursor(cursor.connection)
@@ -454,14 +461,22 @@ _WAIT_INTERVAL = 0.1
 _INT_TYPES = frozenset((20, 21, 23))
 
 
-def overlapped(conn: Any, statement: Raw, values: list[Any], meanwhile: Callable[[], None]) -> Any:
+def overlapped(
+    conn: Any,
+    statement: Raw,
+    values: list[Any],
+    meanwhile: Callable[[], None],
+    prepare: bool = True,
+) -> Any:
     """Send ``statement`` on psycopg connection ``conn`` (autocommit), run ``meanwhile``, then
     read the statement's one row (None when it has none): a release whose wake goes out while
     the release is on its way (early wake). psycopg's cursors send and read in one call, so
     this goes through libpq (psycopg's ``pgconn``) with text parameters, typed by the server
-    from the statement, prepared once per connection. Errors are psycopg's, as from a cursor
-    (a broken connection makes ``conn.closed`` true, which SQLAlchemy reads as a disconnect).
-    ``meanwhile`` runs when the statement is on its way, or when sending it failed."""
+    from the statement, prepared once per connection (unless not ``prepare``: the user's
+    ``cursor_factory``, or psycopg's ``prepare_threshold`` None, as behind PgBouncer). Errors
+    are psycopg's, as from a cursor (a broken connection makes ``conn.closed`` true, which
+    SQLAlchemy reads as a disconnect). ``meanwhile`` runs when the statement is on its way,
+    or when sending it failed."""
     from psycopg import errors, generators, pq, waiting  # (only PostgreSQL stores call this)
 
     pgconn = conn.pgconn
@@ -474,8 +489,11 @@ def overlapped(conn: Any, statement: Raw, values: list[Any], meanwhile: Callable
     if prepared is None:
         prepared = conn.celery_lease_prepared = {}
     try:
-        name = prepared.get(query) or _prepare(conn, query, prepared)
-        pgconn.send_query_prepared(name, text)
+        if prepare:
+            name = prepared.get(query) or _prepare(conn, query, prepared)
+            pgconn.send_query_prepared(name, text)
+        else:
+            pgconn.send_query_params(query, text)
         waiting.wait(generators.send(pgconn), pgconn.socket, _WAIT_INTERVAL)
     except BaseException:
         meanwhile()
