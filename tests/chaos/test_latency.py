@@ -21,13 +21,22 @@ from celery_lease._renewer import Renewer
 from celery_lease.stores.redis import RedisLeaseStore
 from tests.conftest import unique
 from tests.tooling.proxy import TcpProxy
-from tests.tooling.servers import wait_for
+from tests.tooling.servers import RedisServer, wait_for
 
 pytestmark = [pytest.mark.chaos_ci]
 
 TTL = 3.0
 INTERVAL = TTL / 3
 MARGIN = TTL / 4
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A private redis-server: a test here flushes the script cache, which would also make
+    the scripts of tests running at once on a shared server miss (they load them again, but a
+    release's ``meanwhile`` then runs before the release lands)."""
+    with RedisServer() as server:
+        yield server
 
 
 @pytest.fixture

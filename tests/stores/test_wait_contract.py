@@ -11,10 +11,11 @@ import pytest
 import sqlalchemy as sa
 
 from celery_lease import LeaseBusyError, LeaseConfigError, LeaseStoreError, Owner
+from celery_lease.stores import store_from_url
 from celery_lease.stores.base import REARM_GROWTH
 from celery_lease.stores.sql.waits import load
 from tests.conftest import make_store, unique
-from tests.tooling.servers import wait_for
+from tests.tooling.servers import RedisServer, wait_for
 
 LONG = 30.0
 
@@ -1050,6 +1051,10 @@ class TestEarlyWake:
         call there): only once is checked."""
         sent_first = request.node.callspec.params["estore"] != "redis_cluster"
         r = names + "r"
+        # The release's script into the server's cache: a cold cache answers NOSCRIPT after
+        # meanwhile ran (see the next test); a fresh server's is cold until a first release.
+        warm = estore.acquire(names + "warm", Owner.new("w"), LONG, identity="w")
+        assert estore.release(warm, outcome="done")
         lease = estore.acquire(r, Owner.new("h"), LONG, identity="h", early_wake=True)
         refused(estore, r, "a")
         calls = []
@@ -1065,6 +1070,33 @@ class TestEarlyWake:
         assert lease.handoff == "payload-a"
         assert not estore.release(lease, meanwhile=lambda: calls.append(2))  # not ours any more
         assert calls == [1, 2]
+
+    @pytest.mark.redis
+    def test_a_cold_script_cache_runs_meanwhile_once_before_the_release(self, tmp_path, names):
+        """After a Redis restart the server has no scripts: the release's EVALSHA is answered
+        NOSCRIPT, the script loaded and the release sent again. ``meanwhile`` has then run once,
+        before the release landed (an early wake it sends is refused and sent again through
+        its wake queue); the release lands all the same and hands over. A private server: its
+        script cache is flushed (seen failing on the shared one, the flush of another test
+        making the test above miss)."""
+        r = names + "r"
+        with RedisServer(tmp_path / "redis") as server:
+            store = store_from_url(server.url, key_prefix=f"{unique('cold')}:")
+            try:
+                lease = store.acquire(r, Owner.new("h"), LONG, identity="h", early_wake=True)
+                refused(store, r, "a")
+                store.client.script_flush()
+                held_meanwhile = []
+                assert store.release(
+                    lease,
+                    outcome="done",
+                    meanwhile=lambda: held_meanwhile.append(store.get(r) is not None),
+                )
+                assert held_meanwhile == [True]  # once, and before the release
+                assert lease.handoff == "payload-a"
+                assert store.get(r) is None
+            finally:
+                store.close()
 
     def test_a_release_with_a_nul_in_its_result_fails_whole(self, estore, names, request):
         """PostgreSQL text cannot hold a NUL: the release fails and releases nothing (libpq's

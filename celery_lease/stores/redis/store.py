@@ -398,7 +398,9 @@ class RedisLeaseStore(BaseLeaseStore):
         meanwhile: Callable[[], None] | None = None,
     ) -> bool:
         """See :meth:`LeaseStore.release`; ``meanwhile`` (called once, also when the call
-        fails) runs while the release's reply is awaited: the command is on its way first."""
+        fails) runs while the release's reply is awaited: the command is on its way first
+        (except when the server's script cache is cold, after a restart: the NOSCRIPT answer
+        is read after ``meanwhile`` ran, and the release is sent again once loaded)."""
         self._renew_ttl(lease, None)
         shard = self.shard_of(lease.resource)
         grace = max(1, round(self.handoff_grace * 1e6))
