@@ -985,6 +985,36 @@ class TestEarlyWake:
         estore.release(lease)
         assert lease.handoff is None
 
+    def test_no_next_waiter_while_a_wake_behind_a_returned_head_is_in_flight(self, estore, names):
+        """A head that missed its grace comes back while the resource is held: it is listed
+        never woken again, ahead of a waiter whose wake is in flight. A release then wakes
+        nobody (one wake in flight at a time) and a claim's next waiter says so too (Redis
+        named the returned head, which the release did not wake: seen failing, found by a
+        differential fuzz against PostgreSQL)."""
+        estore.handoff_grace = 1.0
+        r = names + "r"
+        lease = claim(estore, r, "h")
+        for w in ("late", "b"):
+            refused(estore, r, w)
+        estore.release(lease)
+        assert lease.handoff == "payload-late"
+        wait_for(lambda: not estore.waiters(r)[0].woken, 5, "the late head's grace to pass")
+        lease = claim(estore, r, "x", wait=False)  # nothing held after a missed wake
+        estore.release(lease)
+        assert lease.handoff == "payload-b"  # b's wake is in flight from here
+        lease = claim(estore, r, "y", wait=False)  # (a wake missed lately: nothing held for b)
+        refused(estore, r, "late")  # back: never woken again, listed ahead of b
+        assert [(w.identity, w.woken) for w in estore.waiters(r)] == [
+            ("late", False),
+            ("b", True),
+        ]
+        estore.release(lease)
+        assert lease.handoff is None  # b's wake is still in flight
+        lease = estore.acquire(r, Owner.new("z"), LONG, identity="z", early_wake=True)
+        assert lease.next_wake is None
+        estore.release(lease)
+        assert lease.handoff is None
+
     def test_a_refused_claim_without_wait_leaves_the_place_as_it_is(self, estore, names):
         """An early copy's claim (no wait payload) refused before the release landed: its
         place stays woken-or-not as it was and keeps its payload, so the release wakes it

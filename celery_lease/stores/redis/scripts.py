@@ -513,12 +513,19 @@ if member then
 end
 local nextp = false
 if ARGV[13] == '1' then
+  -- What the release would do now (see the release): the first line never woken, unless a
+  -- wake is in flight. That wake's line may come after the first never woken (a head that
+  -- missed its grace came back); so when "!!" says one may be in flight, read on.
+  local first = false
   local function next_wake(id, e, t)  -- true once decided
     if tonumber(e) <= now then return false end  -- (an expired line is not listed)
-    if tonumber(t) > now then return true end  -- a wake in flight: a release now wakes nobody
-    if tonumber(t) == 0 then
-      nextp = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. id)
+    if tonumber(t) > now then  -- a wake in flight: a release now wakes nobody
+      first = false
       return true
+    end
+    if tonumber(t) == 0 and not first then
+      first = id
+      return tonumber(redis.call('HGET', KEYS[7], '!!' .. ARGV[1]) or '0') <= now
     end
     return false
   end
@@ -531,6 +538,7 @@ if ARGV[13] == '1' then
       if next_wake(w[1], w[3], w[4]) then break end
     end
   end
+  if first then nextp = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. first) end
 end
 return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ilabel, ckpt, nextp,
   ownp}
