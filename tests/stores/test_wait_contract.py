@@ -532,6 +532,50 @@ class TestWaitList:
             assert copy.position == 1 and str(copy) == str(busy)
 
 
+class TestClaimSentAgainAfterItsLeaseRanOut:
+    """The same claim sent again (the store's one retry after a lost reply, or an owner
+    reused) once its lease ran out is a new claim: the hold for waiters (invariant 13) and the
+    claimant's place apply to it as to any other. Redis treated it as the live lease's resend
+    and handed it the resource, past a listed waiter (seen failing; found by a differential
+    fuzz against PostgreSQL)."""
+
+    def test_a_listed_waiter_keeps_the_resource_it_is_held_for(self, astore, names):
+        r = names + "r"
+        owner = Owner.new("a")
+        astore.acquire(r, owner, 0.3, identity="a")
+        refused(astore, r, "c")  # listed, never woken (nobody releases: a's lease runs out)
+        wait_for(lambda: astore.get(r).expires_in <= 0, 5, "a's lease to run out")
+        with pytest.raises(LeaseBusyError) as caught:
+            astore.acquire(r, owner, 0.3, identity="a", wait="payload-a", wait_ttl=60.0)
+        assert (caught.value.position, caught.value.wake) == (2, "payload-c")
+        assert [w.identity for w in astore.waiters(r)] == ["c", "a"]
+
+    def test_no_claim_past_a_wake_in_flight(self, astore, names):
+        astore.handoff_grace = 5.0
+        r = names + "r"
+        first, second = Owner.new("a"), Owner.new("a")
+        astore.acquire(r, first, 0.3, identity="a", wait="payload-a", wait_ttl=60.0)
+        refused(astore, r, "b")
+        wait_for(lambda: astore.get(r).expires_in <= 0, 5, "a's lease to run out")
+        with pytest.raises(LeaseBusyError) as caught:  # another copy of a: b is woken
+            astore.acquire(r, second, 0.3, identity="a", wait="payload-a", wait_ttl=60.0)
+        assert (caught.value.position, caught.value.wake) == (2, "payload-b")
+        with pytest.raises(LeaseBusyError) as caught:  # the first copy's claim, sent again
+            astore.acquire(r, first, 0.3, identity="a", wait="payload-a", wait_ttl=60.0)
+        assert caught.value.position == 2
+        assert [(w.identity, w.woken) for w in astore.waiters(r)] == [("b", True), ("a", False)]
+
+    def test_its_own_place_is_taken_off_the_list(self, astore, names):
+        r = names + "r"
+        first, second = Owner.new("a"), Owner.new("a")
+        astore.acquire(r, first, 0.3, identity="a", wait="payload-a", wait_ttl=60.0)
+        with pytest.raises(LeaseBusyError):  # another copy of a: listed first
+            astore.acquire(r, second, LONG, identity="a", wait="payload-a", wait_ttl=60.0)
+        wait_for(lambda: astore.get(r).expires_in <= 0, 5, "a's lease to run out")
+        lease = astore.acquire(r, first, LONG, identity="a", wait="payload-a", wait_ttl=60.0)
+        assert lease.fence > 0 and astore.waiters(r) == []
+
+
 class TestWaitListCleanup:
     def test_the_sweep_drops_a_wait_list_whose_places_all_lapsed(self, wstore, names):
         """A list nobody touches again (its waiters gone) is removed by sweep_expired."""

@@ -304,9 +304,9 @@ local ownp = false
 local hold = 10 * tonumber(ARGV[10])  -- a missed wake stops holding woken heads this long
 if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' ' then
   local free = true
-  if cur then
-    local tok, _, _, e = parse(cur)
-    free = tok ~= ARGV[2] and tonumber(e) <= now
+  if cur then  -- (a lease run out is free, its own claim sent again too)
+    local _, _, _, e = parse(cur)
+    free = tonumber(e) <= now
   end
   local e, w, a, tail = string.match(
     wgot[1], '^[^ \\n]+ %d+ (%d+) (%d+) ?(%d*)\\n?(.*)$')
@@ -395,10 +395,11 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
   dirty = true
   return #wl
 end
-local live = false
+local live, mine = false, false
 if cur then
   local tok, f, a, e = parse(cur)
   live = tonumber(e) > now and tok ~= ARGV[2]
+  mine = tonumber(e) > now and tok == ARGV[2]
   if live then
     local dup = 0
     if ist == 'running' and ifence == f then dup = 1 end
@@ -408,7 +409,9 @@ if cur then
     return {0, parse_label(cur), tonumber(f), tonumber(e), now, epoch, dup, pos}
   end
 end
-if #wl > 0 and not (cur and string.match(cur, '^(%x+) ') == ARGV[2]) then
+-- (a claim sent again while its lease is live gets that lease back, below; once the lease ran
+-- out, it is a new claim)
+if #wl > 0 and not mine then
   -- the waiter held for: the one whose wake is in flight (woken less than the grace ago: one
   -- wake at a time, even with a re-armed waiter ahead of it), else the first never woken,
   -- unless this claimant is that waiter or listed before it
