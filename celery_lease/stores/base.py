@@ -11,7 +11,9 @@ Invariants every store keeps, asserted by ``tests/stores`` against each of them:
    expiry, force-release and store restarts never reset the sequence.
 3. Only the owner token *and* fence of the live lease can renew or verify it; only that pair can
    release it. Anything else changes nothing in the store.
-4. An expired lease is claimable; the claim reports the expired owner's label and fence.
+4. An expired lease is claimable; the claim reports the expired owner's label and fence. The
+   same claim sent again (same owner token) gets the same lease back only while that lease is
+   live; once it ran out, it is a new claim like any other (13 applies to it).
 5. Driver errors surface as ``LeaseStoreError`` (outcome unknown), never as driver exceptions.
 
 Exactly-once support (optional ``identity=`` on acquire; ledger and checkpoints):
