@@ -75,6 +75,14 @@ class TestAcquire:
         again = store.acquire(names + "a", owner, LONG)
         assert again.fence == first.fence
 
+    def test_the_same_claim_after_its_lease_ran_out_is_a_new_claim(self, store, names):
+        """Sent again once the lease ran out, the same owner's claim gets a new fence."""
+        owner = Owner.new("same")
+        first = store.acquire(names + "a", owner, SHORT)
+        expire(store, names + "a")
+        again = store.acquire(names + "a", owner, LONG)
+        assert again.fence > first.fence and again.previous_fence == first.fence
+
     def test_fences_strictly_increase_across_release_and_reclaim(self, store, names):
         """Release never resets the fence: each new claim gets a greater one."""
         fences = []
