@@ -57,7 +57,9 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     arrived earlier), but nothing is held for it; the hold moves on to the waiters behind it.
     After a wake missed its grace, nothing is held for any waiter (woken or not) for
     ``10 * handoff_grace`` seconds, so a backlog that keeps missing its wakes cannot keep the
-    resource idle. A waiter leaves the list when it claims.
+    resource idle. That window ends with the list: once no place is listed (every waiter
+    claimed or lapsed), a list made afresh holds for its waiters again, whatever wakes the
+    old one missed. A waiter leaves the list when it claims.
 14. ``release`` wakes in its own round trip: the first waiter never woken (the head, in the
     common case) is marked woken and its wake payload comes back in ``lease.handoff`` for the
     releaser to send, unless a wake was sent less than ``handoff_grace`` ago (one wake in flight

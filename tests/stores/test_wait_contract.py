@@ -1198,3 +1198,30 @@ class TestEarlyWake:
             pytest.skip("covered above")
         lease = claim(wstore, names + "r", "h")
         assert lease.next_wake is None
+
+
+class TestTheMissedWakeWindowEndsWithTheList:
+    """Invariant 13: the pause after a missed wake ends when the list empties. The stores
+    disagreed (found by a differential run, issue 27 item 5): PostgreSQL let a newcomer take a
+    resource held for a fresh list's woken waiter, memory refused it, Redis either."""
+
+    @pytest.mark.parametrize("resend", [False, True])
+    def test_a_fresh_lists_woken_waiter_is_held_for(self, astore, names, resend):
+        astore.handoff_grace = 0.3
+        r = names + "r"
+        holder = claim(astore, r, "h")
+        refused(astore, r, "w", wait_ttl=1.0)
+        astore.release(holder)
+        assert holder.handoff == "payload-w"
+        wait_for(lambda: not astore.waiters(r)[0].woken, 5, "w's grace to pass")
+        c_owner = Owner.new("c")
+        lease = astore.acquire(r, c_owner, LONG)  # past the missed wake: nothing is held
+        wait_for(lambda: astore.waiters(r) == [], 5, "w's place to lapse")
+        if resend:  # the same claim sent again (a lost reply): one more write meanwhile
+            assert astore.acquire(r, c_owner, LONG).fence == lease.fence
+        assert refused(astore, r, "v").position == 1
+        astore.release(lease)
+        assert lease.handoff == "payload-v"
+        busy = refused(astore, r, "x")  # v's wake is in flight on a fresh list: held for v
+        assert "hand-off" in str(busy) and busy.position == 2
+        claim(astore, r, "v")

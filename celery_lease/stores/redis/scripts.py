@@ -119,6 +119,7 @@ local function wl_load(wkey, pkey, res, now, hold, got)
       redis.call('HDEL', pkey, res .. '|' .. id)
     end
   end
+  if #list == 0 then list.slow = 0 end  -- the pause after a missed wake ends with the list
   return list, dirty
 end
 local function wl_save(wkey, xkey, res, list)
@@ -134,7 +135,11 @@ local function wl_save(wkey, xkey, res, list)
     if tonumber(e[3]) > last then last = tonumber(e[3]) end
   end
   redis.call('HSET', wkey, res, table.concat(parts, '\\n'))
-  if list.slow > 0 then redis.call('HSET', wkey, '!' .. res, fmt(list.slow)) end
+  if list.slow > 0 then
+    redis.call('HSET', wkey, '!' .. res, fmt(list.slow))
+  else
+    redis.call('HDEL', wkey, '!' .. res)
+  end
   redis.call('ZADD', xkey, last, res)
 end
 -- mark this waiter woken until `until_` (its place is kept at least as long); the free resource

@@ -89,9 +89,10 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
         st AS MATERIALIZED (
             SELECT c.*, k.us AS now,
                 c.owner_token IS NOT NULL AND c.expires_us > k.us AS live,
-                greatest(coalesce(c.wait_slow_us, 0), coalesce((
+                CASE WHEN NOT EXISTS (SELECT 1 FROM lw) THEN 0
+                ELSE greatest(coalesce(c.wait_slow_us, 0), coalesce((
                     SELECT max((wl.e->>3)::bigint) FROM wl
-                    WHERE (wl.e->>3)::bigint BETWEEN 1 AND k.us) + 10 * {grace}, 0)) AS slow,
+                    WHERE (wl.e->>3)::bigint BETWEEN 1 AND k.us) + 10 * {grace}, 0)) END AS slow,
                 h.e AS head, h.pos AS hpos,
                 (SELECT count(*) FROM lw) AS cnt,
                 (SELECT coalesce(sum(octet_length(lw.e->>4)), 0) FROM lw) AS bytes,

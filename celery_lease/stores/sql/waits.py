@@ -75,7 +75,9 @@ class Waits:
         missed = max((int(p[3]) for p in places if 0 < int(p[3]) <= now), default=0)
         if missed:
             floor = max(floor, missed + hold)
-        return cls([p for p in places if int(p[2]) > now], floor)
+        live = [p for p in places if int(p[2]) > now]
+        # (the pause after a missed wake ends with the list: a fresh list holds again)
+        return cls(live, floor if live else 0)
 
     def position(self, identity: str | None) -> int:
         """1-based place of ``identity``, 0 when it does not wait."""
