@@ -76,6 +76,15 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     and ``acquire(..., own_wake=True)`` returns in ``Lease.own_wake`` the wake payload the
     claimant's own place held when the claim took it off the list (None: no place, also for
     the same claim sent again after a lost reply: the first run took the place).
+16. ``wake_due`` passes the turn on when nobody else will (the releaser died before sending its
+    wake, the woken copy was dropped unclaimed: revoked, expired, rejected, undecodable; the
+    holder died and its lease ran out). For each resource with a wait list (those named, else
+    any, at most ``limit``) that has no live lease and no wake in flight (14), in one atomic
+    step per resource: every waiter whose wake missed its grace and was not sent again since is
+    sent again once (its message may never have left; it keeps its place, 13, and is not
+    marked woken again), and the first waiter never woken (or re-armed) is woken as a release
+    wakes it. The payloads come back, oldest place first, for the caller to send. A waiter
+    woken or re-armed afterwards may be sent again after its next missed grace.
 """
 
 from __future__ import annotations
@@ -90,7 +99,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from .. import _clock
 from .._codec import from_micros
-from .._errors import LeaseConfigError, LeaseLostError
+from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
@@ -99,15 +108,18 @@ from ._bounds import REARM_GROWTH
 __all__ = [
     "DEFAULT_MAX_TTL",
     "DEFAULT_RETENTION",
+    "DEFAULT_WAKE_DUE_LIMIT",
     "REARM_GROWTH",
     "RECENT_EFFECTS",
     "BaseLeaseStore",
+    "DueWake",
     "EffectRecord",
     "IdentityInfo",
     "IdentityRecords",
     "LeasePage",
     "LeaseStore",
     "Waiter",
+    "changed_hands",
     "connection_refused",
     "decode_cursor",
     "encode_cursor",
@@ -230,9 +242,22 @@ def rearm_fits(old: int, new: int, after: int, count: int, bytes_cap: int) -> bo
     return new <= old or after <= bytes_cap
 
 
+#: Default number of resources one ``wake_due`` call looks at (per Redis shard).
+DEFAULT_WAKE_DUE_LIMIT = 1000
+
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
 #: waiter behind it; the late one keeps its place).
 DEFAULT_HANDOFF_GRACE = 2.0
+
+
+class DueWake(NamedTuple):
+    """A wake ``wake_due`` hands back to send (invariant 16)."""
+
+    resource: str
+    payload: str
+    #: True for a missed wake sent once more (the waiter's place is unchanged), False for a
+    #: waiter woken now (the free resource is held for it for the grace).
+    again: bool
 
 
 class LeasePage(NamedTuple):
@@ -407,12 +432,37 @@ class LeaseStore(Protocol):
         """
         ...
 
-    def force_release(self, resource: str) -> LeaseInfo | None:
+    def force_release(self, resource: str, *, fence: int | None = None) -> LeaseInfo | None:
         """Administrator's eviction: drop the resource's lease whoever holds it.
 
         Bumps the fence, so that a fenced side effect rejects every write of the evicted holder
         once anyone claims the resource again (and a ``FenceGate`` admitting the new fence).
-        Returns what was evicted, or None when there was no lease.
+        Returns what was evicted, or None when there was no lease. Wakes nobody: the caller
+        passes the turn on (``wake_due``), as ``celery_lease.force_release`` does.
+
+        With ``fence``, only the lease with that fence is evicted (the one an operator was
+        shown): when the resource has no lease, nothing changes and None comes back; when its
+        lease has another fence (it changed hands), nothing changes either.
+
+        Raises:
+            LeaseBusyError: ``fence`` was given and the lease has another fence; it names the
+                holder and fence the resource has now.
+        """
+        ...
+
+    def wake_due(
+        self, *, resources: Sequence[str] | None = None, limit: int = DEFAULT_WAKE_DUE_LIMIT
+    ) -> builtins.list[DueWake]:
+        """Pass the turn on where nobody else will (invariant 16); the wakes to send.
+
+        ``resources``: only these (a release's follow-up, an eviction); None: every resource
+        with a wait list, up to ``limit`` of them (a worker's periodic pass; the cost follows
+        the resources with waiters, found through the wait lists' index, never the leases).
+
+        Raises:
+            LeaseConfigError: a bad resource name or limit.
+            LeaseStoreError: the store failed; a wake may have been marked and not returned
+                (the next pass sends it again once its grace is over).
         """
         ...
 
@@ -537,6 +587,21 @@ def log_force_release(info: LeaseInfo, log: logging.Logger) -> LeaseInfo:
         info.fence,
     )
     return info
+
+
+def changed_hands(resource: str, fence: int, info: LeaseInfo) -> LeaseBusyError:
+    """The refusal of ``force_release(resource, fence=fence)``: the lease has another fence
+    now (``info``), which was not the one to evict."""
+    state = "expired, not released" if info.expired else f"expires in {info.expires_in:.1f}s"
+    return LeaseBusyError(
+        f"resource {resource!r} changed hands: it is held by {info.owner_label!r} with fence "
+        f"{info.fence} ({state}), not fence {fence} that was to be evicted; nothing was "
+        "evicted (look again, e.g. celery lease show)",
+        resource,
+        info.owner_label,
+        info.fence,
+        info.expires_in,
+    )
 
 
 def lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
@@ -672,6 +737,31 @@ class BaseLeaseStore:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= MAX_LIST_LIMIT:
             raise LeaseConfigError(f"list limit must be 1..{MAX_LIST_LIMIT}, got {limit!r}")
         return limit
+
+    @staticmethod
+    def _wake_due_args(
+        resources: Sequence[str] | None, limit: int
+    ) -> tuple[builtins.list[str] | None, int]:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= MAX_LIST_LIMIT:
+            raise LeaseConfigError(f"wake_due limit must be 1..{MAX_LIST_LIMIT}, got {limit!r}")
+        if resources is None:
+            return None, limit
+        if isinstance(resources, str):
+            raise LeaseConfigError(
+                f"wake_due resources= takes a list of names, got the string {show_value(resources)}"
+            )
+        return [validate_resource(r) for r in dict.fromkeys(resources)], limit
+
+    @staticmethod
+    def _fence_arg(fence: int | None) -> int | None:
+        if fence is None:
+            return None
+        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 0:
+            raise LeaseConfigError(
+                "fence must be a non-negative int (the fence shown for the lease), got "
+                f"{show_value(fence)}"
+            )
+        return fence
 
     @staticmethod
     def _sweep_args(limit: int) -> int:

@@ -23,13 +23,16 @@ from .._names import validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
+    DEFAULT_WAKE_DUE_LIMIT,
     RECENT_EFFECTS,
     BaseLeaseStore,
+    DueWake,
     EffectRecord,
     IdentityInfo,
     IdentityRecords,
     LeasePage,
     Waiter,
+    changed_hands,
     decode_cursor,
     encode_cursor,
     lease_info,
@@ -68,6 +71,7 @@ def _wake(waiter: list[Any], until: int) -> None:
     it (``_join``)."""
     waiter[3] = until
     waiter[2] = max(waiter[2], until)
+    waiter[6] = False
 
 
 def _older(waiter: list[Any], attempt: int | None) -> bool:
@@ -131,8 +135,8 @@ class MemoryLeaseStore(BaseLeaseStore):
         # The retention index: (expires_us, table, key) for every write of those records; an
         # entry whose record was rewritten later (or removed) is skipped when it comes up.
         self._expiry: list[tuple[int, int, Any]] = []
-        # resource -> FIFO wait list of
-        # [identity, since_us, expires_us, woken_until_us, payload, attempt or None]
+        # resource -> FIFO wait list of [identity, since_us, expires_us, woken_until_us,
+        # payload, attempt or None, whether its missed wake was sent again (wake_due)]
         self._waits: dict[str, list[list[Any]]] = {}
         # resource -> until when nothing is held for a woken head (a wake missed its grace)
         self._slow: dict[str, int] = {}
@@ -151,7 +155,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         waits = [w for w in listed if w[2] > now]
         if waits:
             self._waits[resource] = waits
-        else:
+        else:  # (the window after a missed wake ends with the list: invariant 13)
             self._waits.pop(resource, None)
             self._slow.pop(resource, None)
         return waits
@@ -181,6 +185,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                 # old, valid one is kept).
                 waiter[2] = max(waiter[2], until)
                 waiter[3] = 0
+                waiter[6] = False
                 old = len(waiter[4].encode())
                 new = len(payload.encode())
                 after = _payload_bytes(waits) - old + new
@@ -193,7 +198,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             or _payload_bytes(waits) + len(payload.encode()) > self.wait_bytes_cap
         ):
             return 0
-        waits.append([identity, now, until, 0, payload, attempt])
+        waits.append([identity, now, until, 0, payload, attempt, False])
         return len(waits)
 
     def acquire(
@@ -441,6 +446,38 @@ class MemoryLeaseStore(BaseLeaseStore):
                     lease.handoff = woke[4]
             return True
 
+    def wake_due(
+        self, *, resources: Sequence[str] | None = None, limit: int = DEFAULT_WAKE_DUE_LIMIT
+    ) -> builtins.list[DueWake]:
+        names, limit = self._wake_due_args(resources, limit)
+        out: builtins.list[DueWake] = []
+        with self._lock:
+            now = self._now_us()
+            if names is None:
+                # (by when the last place lapses, as the other stores' indexes order them)
+                names = [
+                    r
+                    for _, r in sorted(
+                        (max(w[2] for w in waits), r) for r, waits in self._waits.items() if waits
+                    )[:limit]
+                ]
+            for resource in names:
+                current = self._leases.get(resource)
+                if current is not None and current.expires_us > now:
+                    continue  # held: its holder's release wakes the next waiter
+                waits = self._wait_list(resource, now)
+                if any(w[3] > now for w in waits):
+                    continue  # a wake in flight: its grace decides
+                for waiter in waits:
+                    if waiter[3] != 0 and not waiter[6]:  # missed its grace: once more
+                        waiter[6] = True
+                        out.append(DueWake(resource, waiter[4], True))
+                woke = next((w for w in waits if w[3] == 0), None)
+                if woke is not None:
+                    _wake(woke, now + round(self.handoff_grace * 1e6))
+                    out.append(DueWake(resource, woke[4], False))
+        return out
+
     def waiters(self, resource: str) -> builtins.list[Waiter]:
         resource = validate_resource(resource)
         with self._lock:
@@ -554,10 +591,17 @@ class MemoryLeaseStore(BaseLeaseStore):
         next_cursor = encode_cursor(*page[-1]) if more and page else None
         return LeasePage(infos, next_cursor)
 
-    def force_release(self, resource: str) -> LeaseInfo | None:
+    def force_release(self, resource: str, *, fence: int | None = None) -> LeaseInfo | None:
         resource = validate_resource(resource)
+        fence = self._fence_arg(fence)
         with self._lock:
             now = self._now_us()
+            if fence is not None:
+                shown = self._leases.get(resource)
+                if shown is None:
+                    return None
+                if shown.fence != fence:
+                    raise changed_hands(resource, fence, shown.info(resource, now))
             current = self._leases.pop(resource, None)
             if current is not None:
                 self._forced[resource] = current.fence

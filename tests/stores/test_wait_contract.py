@@ -1200,6 +1200,109 @@ class TestEarlyWake:
         assert lease.next_wake is None
 
 
+def due(store, *resources):
+    """``wake_due`` of ``resources`` as (payload, again) pairs."""
+    return [(d.payload, d.again) for d in store.wake_due(resources=list(resources))]
+
+
+class TestWakeDue:
+    """Invariant 16: the turn passes on when nobody else passes it."""
+
+    def test_a_head_that_never_claims_passes_the_turn_to_the_next(self, astore, names):
+        """The woken head is dropped unclaimed (revoked, expired): past its grace the next
+        waiter is woken and held for, and the head's wake goes out once more. Before: nothing
+        woke the next waiter until its back-stop copy, a ttl later (issue 27, item 1)."""
+        astore.handoff_grace = 0.2
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        for w in ("dropped", "b", "c"):
+            refused(astore, r, w)
+        astore.release(lease)
+        assert lease.handoff == "payload-dropped"
+        assert due(astore, r) == []  # its grace runs: nothing to pass on yet
+        wait_for(lambda: not astore.waiters(r)[0].woken, 5, "the head's grace to pass")
+        assert due(astore, r) == [("payload-dropped", True), ("payload-b", False)]
+        assert [(w.identity, w.woken) for w in astore.waiters(r)] == [
+            ("dropped", False),
+            ("b", True),
+            ("c", False),
+        ]
+        assert due(astore, r) == []  # b's wake is in flight
+        claim(astore, r, "b")  # (a newcomer could take it first: a wake missed lately, 13)
+
+    def test_a_missed_wake_is_sent_again_once(self, astore, names):
+        """A releaser that died between its release and its wake (the head is marked woken, its
+        message never left): the head's wake goes out once more, and only once."""
+        astore.handoff_grace = 0.2
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        refused(astore, r, "a")
+        astore.release(lease)  # the wake is never sent
+        wait_for(lambda: not astore.waiters(r)[0].woken, 5, "the grace to pass")
+        assert due(astore, r) == [("payload-a", True)]
+        assert due(astore, r) == []
+        assert [(w.identity, w.woken) for w in astore.waiters(r)] == [("a", False)]
+        claim(astore, r, "a")  # the copy sent again claims
+        assert astore.waiters(r) == []
+
+    def test_nothing_passes_while_the_resource_is_held(self, astore, names):
+        r = names + "r"
+        claim(astore, r, "holder")
+        refused(astore, r, "a")
+        assert due(astore, r) == []
+        assert not astore.waiters(r)[0].woken
+
+    def test_a_dead_holders_waiters_are_woken_when_its_lease_runs_out(self, astore, names):
+        """The holder died: its lease runs out and the head waiter is woken, as a release would
+        have woken it."""
+        r = names + "r"
+        astore.acquire(r, Owner.new("holder"), 0.3, identity="holder")
+        refused(astore, r, "a")
+        refused(astore, r, "b")
+        assert due(astore, r) == []
+        wait_for(lambda: astore.get(r).expires_in <= 0, 5, "the holder's lease to run out")
+        assert due(astore, r) == [("payload-a", False)]
+        assert due(astore, r) == []  # a's wake is in flight
+        claim(astore, r, "a")
+
+    def test_a_pass_over_every_list_finds_each_free_resource(self, astore, names):
+        """Without resources= the pass looks at every resource with a wait list."""
+        held, free, gone = names + "held", names + "free", names + "gone"
+        claim(astore, held, "h1")
+        refused(astore, held, "w1")
+        astore.acquire(free, Owner.new("h2"), 0.3, identity="h2")
+        refused(astore, free, "w2")
+        wait_for(lambda: astore.get(free).expires_in <= 0, 5, "the lease to run out")
+        mine = [d for d in astore.wake_due() if d.resource.startswith(names)]
+        assert [(d.resource, d.payload, d.again) for d in mine] == [(free, "payload-w2", False)]
+        assert astore.waiters(gone) == []
+
+    def test_a_waiter_re_armed_after_its_wake_was_sent_again_may_be_sent_again(
+        self, astore, names
+    ):
+        astore.handoff_grace = 0.2
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        refused(astore, r, "a")
+        astore.release(lease)
+        wait_for(lambda: not astore.waiters(r)[0].woken, 5, "the grace to pass")
+        assert due(astore, r) == [("payload-a", True)]
+        lease = claim(astore, r, "x")  # a newcomer takes it (a wake missed lately)
+        assert refused(astore, r, "a").position == 1  # a's copy comes, refused: re-armed
+        astore.release(lease)
+        assert lease.handoff == "payload-a"  # woken again by the release
+        wait_for(lambda: not astore.waiters(r)[0].woken, 5, "the grace to pass")
+        assert due(astore, r) == [("payload-a", True)]  # and its new miss is sent again
+
+    def test_bad_arguments_are_refused(self, astore, names):
+        with pytest.raises(LeaseConfigError, match="list of names"):
+            astore.wake_due(resources=names + "r")
+        with pytest.raises(LeaseConfigError, match="invalid lease resource"):
+            astore.wake_due(resources=["bad name"])
+        with pytest.raises(LeaseConfigError, match="limit"):
+            astore.wake_due(limit=0)
+
+
 class TestTheMissedWakeWindowEndsWithTheList:
     """Invariant 13: the pause after a missed wake ends when the list empties. The stores
     disagreed (found by a differential run, issue 27 item 5): PostgreSQL let a newcomer take a
@@ -1225,3 +1328,38 @@ class TestTheMissedWakeWindowEndsWithTheList:
         busy = refused(astore, r, "x")  # v's wake is in flight on a fresh list: held for v
         assert "hand-off" in str(busy) and busy.position == 2
         claim(astore, r, "v")
+
+
+class TestForceReleaseOfTheLeaseShown:
+    """force_release(fence=) evicts only the lease an operator was shown (issue 27 item 2)."""
+
+    def test_the_fence_shown_is_evicted(self, astore, names):
+        r = names + "r"
+        lease = claim(astore, r, "a")
+        evicted = astore.force_release(r, fence=lease.fence)
+        assert evicted is not None and evicted.fence == lease.fence
+        assert astore.get(r) is None
+
+    def test_a_resource_that_changed_hands_is_left_alone(self, astore, names):
+        r = names + "r"
+        shown = claim(astore, r, "a", wait=False)
+        astore.release(shown)
+        now = claim(astore, r, "b", wait=False)
+        with pytest.raises(LeaseBusyError) as caught:
+            astore.force_release(r, fence=shown.fence)
+        assert caught.value.fence == now.fence and "changed hands" in str(caught.value)
+        assert "'b'" in str(caught.value) or caught.value.holder_label == "b"
+        assert astore.get(r).fence == now.fence
+        astore.renew(now)  # still b's, untouched
+        assert claim(astore, r + "x", "c").fence  # (nothing else broken)
+
+    def test_a_released_resource_has_nothing_to_evict(self, astore, names):
+        r = names + "r"
+        shown = claim(astore, r, "a", wait=False)
+        astore.release(shown)
+        assert astore.force_release(r, fence=shown.fence) is None
+        assert claim(astore, r, "b", wait=False).fence > shown.fence
+
+    def test_a_bad_fence_is_refused(self, astore, names):
+        with pytest.raises(LeaseConfigError, match="fence"):
+            astore.force_release(names + "r", fence="7")

@@ -25,7 +25,9 @@ so no user input ever becomes part of a lease key name or pattern):
 <prefix>{NN}:ledger_exp zset  "<resource>|<identity>|<key>" -> when the entry expires (us)
 <prefix>{NN}:waits     hash   resource -> the FIFO wait list, one line per waiter, oldest
                               first: "<identity> <since_us> <expires_us> <woken_until_us>"
-                              and " <attempt>" when a retried attempt (> 0) was listed;
+                              and " <attempt>" when a retried attempt (> 0) was listed, or
+                              " <attempt> 1" (attempt 0 too) once its missed wake was sent
+                              again (wake_due; a wake or a re-arm drops the mark);
                               "!<resource>" -> until when nothing is held for a woken head
                               (a wake missed its grace lately); "!!<resource>" -> the grace
                               end of the latest wake, dropped once that waiter leaves the list
@@ -106,14 +108,15 @@ local function wl_load(wkey, pkey, res, now, hold, got)
   got = got or redis.call('HMGET', wkey, res, '!' .. res)
   local list, dirty = {slow = tonumber(got[2] or '0')}, false
   if not got[1] then return list, dirty end
-  for id, s, e, w, a in string.gmatch(got[1], '([^ \\n]+) (%d+) (%d+) (%d+) ?(%d*)') do
+  for id, s, e, w, a, r in string.gmatch(
+      got[1], '([^ \\n]+) (%d+) (%d+) (%d+) ?(%d*) ?(%d*)') do
     local woken = tonumber(w)
     if woken ~= 0 and woken <= now and woken + hold > list.slow then
       list.slow = woken + hold  -- woken, and did not claim within its grace
       dirty = true
     end
     if tonumber(e) > now then
-      list[#list + 1] = {id, s, e, w, a}
+      list[#list + 1] = {id, s, e, w, a, r}
     else
       dirty = true
       redis.call('HDEL', pkey, res .. '|' .. id)
@@ -131,7 +134,11 @@ local function wl_save(wkey, xkey, res, list)
   local parts, last = {}, 0
   for k, e in ipairs(list) do
     parts[k] = e[1] .. ' ' .. e[2] .. ' ' .. e[3] .. ' ' .. e[4]
-    if e[5] ~= '' and e[5] ~= '0' then parts[k] = parts[k] .. ' ' .. e[5] end
+    if e[6] == '1' then
+      parts[k] = parts[k] .. ' ' .. (e[5] ~= '' and e[5] or '0') .. ' 1'
+    elseif e[5] ~= '' and e[5] ~= '0' then
+      parts[k] = parts[k] .. ' ' .. e[5]
+    end
     if tonumber(e[3]) > last then last = tonumber(e[3]) end
   end
   redis.call('HSET', wkey, res, table.concat(parts, '\\n'))
@@ -149,6 +156,7 @@ end
 local function wl_wake(w, until_)
   w[4] = fmt(until_)
   if until_ > tonumber(w[3]) then w[3] = w[4] end
+  w[6] = ''
 end
 """
 
@@ -314,7 +322,7 @@ if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' '
     free = tonumber(e) <= now
   end
   local e, w, a, tail = string.match(
-    wgot[1], '^[^ \\n]+ %d+ (%d+) (%d+) ?(%d*)\\n?(.*)$')
+    wgot[1], '^[^ \\n]+ %d+ (%d+) (%d+) ?(%d*) ?%d*\\n?(.*)$')
   -- Also the full path's outcome only while the list goes on after this line as it was: some
   -- line behind it still live (else the full path ends the list, and its hold after a missed
   -- wake with it) and the list's latest lapse not this line's (else the full path moves the
@@ -364,6 +372,7 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
       if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
       if tonumber(w[4]) > now then in_flight_gone() end
       w[4] = '0'
+      w[6] = ''  -- (re-armed: a later missed wake may be sent again)
       -- its new payload replaces the old one within the bytes bound (base.rearm_fits: the
       -- cap, plus REARM_GROWTH per waiter for a payload that grew that much at most; else the
       -- old, valid one is kept)
@@ -395,7 +404,7 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
     bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. w[1])
   end
   if bytes > tonumber(ARGV[11]) then return 0 end
-  wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0', ARGV[12]}
+  wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0', ARGV[12], ''}
   redis.call('HSET', KEYS[8], member, ARGV[7])
   dirty = true
   return #wl
@@ -648,13 +657,18 @@ return {now, redis.call('HGET', KEYS[1], ARGV[1])}
 FORCE_RELEASE = (
     """
 -- KEYS[1] leases hash, KEYS[2] expiry zset, KEYS[3] fences hash
--- ARGV[1] resource
--- drops the lease whoever holds it and bumps the fence past every fence issued before
--- returns {now_us, evicted record|nil, new fence floor}
+-- ARGV[1] resource, ARGV[2] the fence of the lease to evict, or '' (whoever holds it)
+-- drops the lease and bumps the fence past every fence issued before
+-- returns {now_us, evicted record|nil, new fence floor}, or {now_us, false, false, record|nil}
+-- when ARGV[2] names a fence the resource's lease does not have (nothing changed)
 """
     + _PRELUDE
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' then
+  local f = cur and select(2, parse(cur)) or nil
+  if f ~= ARGV[2] then return {now, false, false, cur} end
+end
 local fence = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0') + 1
 if fence < now then fence = now end
 redis.call('HSET', KEYS[3], ARGV[1], fmt(fence))
@@ -666,6 +680,82 @@ if cur then
   redis.call('HSET', KEYS[3], '!forced:' .. ARGV[1], evicted .. ' ' .. fmt(fence))
 end
 return {now, cur, fence}
+"""
+)
+
+WAKE_DUE = (
+    """
+-- KEYS[4s-3] leases hash, KEYS[4s-2] waits hash, KEYS[4s-1] wpay hash and KEYS[4s] waits_exp
+-- zset of shard s, for every shard to look at
+-- ARGV[1] hand-off grace (us), ARGV[2] the most resources to look at per shard, ARGV[3..] the
+-- resources to look at (one shard's keys only; none: each shard's wait lists, by when their
+-- last place lapses)
+-- passes the turn on (invariant 16): on each resource with a wait list, no live lease and no
+-- wake in flight, every missed wake not sent again yet is marked and returned once more, and
+-- the first waiter never woken is woken, as a release wakes it
+-- returns {resource1, payload1, again1 (1: a missed wake sent again, 0: woken now), ...}
+"""
+    + _NOW
+    + _PARSE
+    + _WAITS
+    + """
+local grace = tonumber(ARGV[1])
+local out = {}
+local function send(res, member, again)
+  local payload = redis.call('HGET', member[1], member[2])
+  if payload then
+    out[#out + 1] = res
+    out[#out + 1] = payload
+    out[#out + 1] = again
+  end
+end
+local function pass(leases, waits, wpay, wexp, res)
+  local cur = redis.call('HGET', leases, res)
+  if cur then
+    local _, _, _, e = parse(cur)
+    if tonumber(e) > now then return end  -- held: its holder's release wakes the next waiter
+  end
+  local wl, dirty = wl_load(waits, wpay, res, now, 10 * grace)
+  for _, w in ipairs(wl) do
+    if tonumber(w[4]) > now then  -- a wake in flight: its grace decides
+      if dirty then wl_save(waits, wexp, res, wl) end
+      return
+    end
+  end
+  local sent, woke = {}, false
+  for _, w in ipairs(wl) do
+    if tonumber(w[4]) ~= 0 and w[6] ~= '1' then  -- missed its grace: sent once more
+      w[6] = '1'
+      dirty = true
+      sent[#sent + 1] = w[1]
+    end
+  end
+  for _, w in ipairs(wl) do
+    if tonumber(w[4]) == 0 then
+      wl_wake(w, now + grace)
+      woke = w
+      dirty = true
+      break
+    end
+  end
+  if dirty then wl_save(waits, wexp, res, wl) end
+  for _, id in ipairs(sent) do send(res, {wpay, res .. '|' .. id}, 1) end
+  if woke then
+    redis.call('HSET', waits, '!!' .. res, woke[4])
+    send(res, {wpay, res .. '|' .. woke[1]}, 0)
+  end
+end
+for s = 1, #KEYS / 4 do
+  local k = 4 * (s - 1)
+  local names
+  if #ARGV > 2 then
+    names = {unpack(ARGV, 3)}
+  else
+    names = redis.call('ZRANGE', KEYS[k + 4], 0, tonumber(ARGV[2]) - 1)
+  end
+  for _, res in ipairs(names) do pass(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], res) end
+end
+return out
 """
 )
 

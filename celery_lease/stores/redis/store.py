@@ -28,13 +28,16 @@ from ..._names import mask_url, show_value, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
+    DEFAULT_WAKE_DUE_LIMIT,
     RECENT_EFFECTS,
     BaseLeaseStore,
+    DueWake,
     EffectRecord,
     IdentityInfo,
     IdentityRecords,
     LeasePage,
     Waiter,
+    changed_hands,
     decode_cursor,
     encode_cursor,
     lease_info,
@@ -153,7 +156,7 @@ class RedisLeaseStore(BaseLeaseStore):
             for name in (
                 "acquire", "renew", "release", "release_outcome", "get", "force_release",
                 "list", "gate_admit", "effect_begin", "effect_done", "checkpoint",
-                "identity_get", "sweep", "waiters",
+                "identity_get", "sweep", "waiters", "wake_due",
             )
         }  # fmt: skip
         self._waiters = scripts["waiters"]
@@ -170,6 +173,7 @@ class RedisLeaseStore(BaseLeaseStore):
         self._checkpoint = scripts["checkpoint"]
         self._identity_get = scripts["identity_get"]
         self._sweep = scripts["sweep"]
+        self._wake_due = scripts["wake_due"]
         self._sweep_start = 0  # the shard a sweep starts at, rotated so none waits behind others
         # Every key name, built once: the hot path only indexes these.
         self._key_names = [
@@ -605,15 +609,48 @@ class RedisLeaseStore(BaseLeaseStore):
             next_cursor = encode_cursor(found[-1][0], found[-1][1])
         return LeasePage(infos, next_cursor)
 
-    def force_release(self, resource: str) -> LeaseInfo | None:
+    def force_release(self, resource: str, *, fence: int | None = None) -> LeaseInfo | None:
         validate_resource(resource)
+        fence = self._fence_arg(fence)
         keys = self._keys(self.shard_of(resource), "leases", "expiry", "fences")
         with self._run("force_release of %r", resource):
-            reply = self._force_release(keys=keys, args=[resource])
+            reply = self._force_release(keys=keys, args=[resource, "" if fence is None else fence])
         now, record = reply[0], reply[1] if len(reply) > 1 else None
-        if record is None:
+        if len(reply) > 3 and reply[3]:  # the fence named is not the lease's: it changed hands
+            assert fence is not None
+            raise changed_hands(resource, fence, self._info(resource, reply[3], now))
+        if not record:
             return None
         return log_force_release(self._info(resource, record, now), log)
+
+    def wake_due(
+        self, *, resources: Sequence[str] | None = None, limit: int = DEFAULT_WAKE_DUE_LIMIT
+    ) -> builtins.list[DueWake]:
+        names, limit = self._wake_due_args(resources, limit)
+        grace = max(1, round(self.handoff_grace * 1e6))
+        kinds = ("leases", "waits", "wpay", "waits_exp")
+        calls: builtins.list[tuple[builtins.list[str], builtins.list[Any]]] = []
+        if names is None:
+            # Every shard in one call; on a cluster one per shard (a slot each).
+            groups = [range(self.shards)] if not self.cluster else [[s] for s in range(self.shards)]
+            for shards in groups:
+                keys: builtins.list[str] = []
+                for shard in shards:
+                    keys += self._keys(shard, *kinds)
+                calls.append((keys, [grace, limit]))
+        else:
+            by_shard: dict[int, builtins.list[str]] = {}
+            for resource in names:
+                by_shard.setdefault(self.shard_of(resource), []).append(resource)
+            for shard, members in by_shard.items():
+                calls.append((self._keys(shard, *kinds), [grace, limit, *members]))
+        out: builtins.list[DueWake] = []
+        for keys, args in calls:
+            with self._run("wake_due"):
+                reply = self._wake_due(keys=keys, args=args)
+            for i in range(0, len(reply), 3):
+                out.append(DueWake(_text(reply[i]), _text(reply[i + 1]), bool(int(reply[i + 2]))))
+        return out
 
     def sweep_expired(self, *, limit: int = 1000) -> int:
         limit = self._sweep_args(limit)

@@ -161,6 +161,24 @@ class Statements:
                 prev_fence = NULL
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}"""
         self.waiters = f"SELECT waits, {now} FROM {t} WHERE resource = {p('r')}"
+        # wake_due (invariant 16): free resources with a wait list, through the list index;
+        # then each one's list, and its rewrite (PostgreSQL: only if nothing changed the row
+        # since it was read; SQLite: both in one BEGIN IMMEDIATE).
+        self.due_candidates = f"""
+            SELECT resource FROM {t}
+            WHERE waits_expire_us IS NOT NULL AND (owner_token IS NULL OR expires_us <= {now})
+            ORDER BY waits_expire_us LIMIT {p("n")}"""
+        self.due_read = f"""
+            SELECT waits, wait_slow_us, owner_token, expires_us, fence, {now}
+            FROM {t} WHERE resource = {p("r")} AND waits IS NOT NULL"""
+        if dialect == "postgresql":
+            self.due_write = f"""
+                UPDATE {t} SET waits = CAST({p("waits")} AS jsonb), wait_slow_us = {p("slow")},
+                    waits_expire_us = {p("wexp")}
+                WHERE resource = {p("r")} AND fence = {p("f")}
+                  AND (owner_token IS NULL OR expires_us <= {now})
+                  AND waits = CAST({p("old")} AS jsonb)
+                  AND wait_slow_us IS NOT DISTINCT FROM {p("oslow")}"""
         # Wait lists whose every place lapsed (nobody came back), through their index.
         if dialect == "postgresql":
             self.sweep_waits = f"""
@@ -195,12 +213,15 @@ class Statements:
             LIMIT {p("n")}"""
         if dialect == "postgresql":
             # Old values come back through the locked sub-select joined to the update.
+            # With a fence (f): only the lease with that fence (nothing when it changed hands).
             self.force_release = f"""
                 UPDATE {t} AS l SET owner_token = NULL, fence = l.fence + 1, prev_label = NULL,
                     prev_fence = CASE WHEN old.owner_token IS NULL THEN NULL ELSE old.fence END
                 FROM (SELECT resource, owner_token, owner_label, fence, acquired_us, expires_us
                       FROM {t} WHERE resource = {p("r")} FOR UPDATE) AS old
                 WHERE l.resource = old.resource
+                  AND ({p("f")}::bigint IS NULL
+                       OR (old.owner_token IS NOT NULL AND old.fence = {p("f")}::bigint))
                 RETURNING CASE WHEN old.owner_token IS NULL THEN NULL ELSE old.owner_label END,
                     old.fence, old.acquired_us, old.expires_us, {now}"""
         else:

@@ -15,6 +15,7 @@ dialects share one schema. On SQLite every operation runs in a ``BEGIN IMMEDIATE
 from __future__ import annotations
 
 import builtins
+import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -36,12 +37,15 @@ from .._connections import Once
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
+    DEFAULT_WAKE_DUE_LIMIT,
     RECENT_EFFECTS,
     BaseLeaseStore,
+    DueWake,
     IdentityInfo,
     IdentityRecords,
     LeasePage,
     Waiter,
+    changed_hands,
     decode_cursor,
     encode_cursor,
     lease_info,
@@ -578,6 +582,64 @@ class SQLLeaseStore(BaseLeaseStore):
             for place, w in enumerate(waits.Waits.read(raw, 0, now, 0).places, 1)
         ]
 
+    def wake_due(
+        self, *, resources: Sequence[str] | None = None, limit: int = DEFAULT_WAKE_DUE_LIMIT
+    ) -> builtins.list[DueWake]:
+        names, limit = self._wake_due_args(resources, limit)
+        if names is None:
+            query = {"n": limit}
+
+            def candidates(cursor: Any) -> builtins.list[str]:
+                cursor.execute(self.sql.due_candidates, query)
+                return [row[0] for row in cursor.fetchall()]
+
+            names = self._connections.run("wake_due scan", candidates)
+        out: builtins.list[DueWake] = []
+        for resource in names:
+            out += self._wake_due_one(resource)
+        return out
+
+    def _wake_due_one(self, resource: str) -> builtins.list[DueWake]:
+        """wake_due of one resource: decided in Python on its row (see waits.due), written
+        back in the same BEGIN IMMEDIATE (SQLite) or only if the row is as it was read
+        (PostgreSQL: a claim, release or another pass since then writes nothing here, and
+        the next pass looks again)."""
+        grace = max(1, round(self.handoff_grace * 1e6))
+        params = {"r": resource}
+
+        def work(cursor: Any) -> builtins.list[tuple[str, bool]]:
+            with self._connections.immediate(cursor):
+                cursor.execute(self.sql.due_read, params)
+                row = cursor.fetchone()
+                if row is None:
+                    return []
+                raw, slow, token, expires, fence, now = row
+                if token is not None and expires > now:
+                    return []  # held: its holder's release wakes the next waiter
+                # (as read: waits.due changes the places it is given)
+                old = raw if isinstance(raw, str) else json.dumps(raw)
+                listed, sent = waits.due(raw, slow, now, grace)
+                if not sent:
+                    return []
+                columns = waits.stored(listed)
+                if self.dialect != "postgresql":
+                    cursor.execute(self.sql.waits_write, {"r": resource, **columns})
+                    return sent
+                cursor.execute(
+                    self.sql.due_write,
+                    {
+                        "r": resource,
+                        "f": fence,
+                        "old": old,
+                        "oslow": slow,
+                        **columns,
+                    },
+                )
+                return sent if cursor.rowcount == 1 else []
+
+        sent = self._connections.run(f"wake_due of {resource!r}", work)
+        return [DueWake(resource, payload, again) for payload, again in sent]
+
     def get(self, resource: str) -> LeaseInfo | None:
         validate_resource(resource)
         params = {"r": resource}
@@ -618,9 +680,11 @@ class SQLLeaseStore(BaseLeaseStore):
             next_cursor = encode_cursor(last[4], last[0])
         return LeasePage(infos, next_cursor)
 
-    def force_release(self, resource: str) -> LeaseInfo | None:
+    def force_release(self, resource: str, *, fence: int | None = None) -> LeaseInfo | None:
         validate_resource(resource)
-        params = {"r": resource}
+        fence = self._fence_arg(fence)
+        params = {"r": resource, "f": fence}
+        shown: builtins.list[LeaseInfo] = []  # (SQLite: the lease that was not evicted)
 
         def work(cursor: Any) -> tuple[Any, ...] | None:
             if self.dialect == "postgresql":
@@ -629,13 +693,25 @@ class SQLLeaseStore(BaseLeaseStore):
             with self._connections.immediate(cursor):
                 cursor.execute(self.sql.get, params)
                 row = cursor.fetchone()
+                if fence is not None and (row is None or row[1] != fence):
+                    if row is not None:
+                        shown.append(lease_info(resource, *row))
+                    return None
                 cursor.execute(self.sql.force_release, params)
                 return None if row is None else tuple(row)
 
         row = self._connections.run(f"force_release of {resource!r}", work)
-        if row is None or row[0] is None:
+        if row is not None and row[0] is not None:
+            return log_force_release(lease_info(resource, *row), log)
+        if fence is None:
             return None
-        return log_force_release(lease_info(resource, *row), log)
+        # Nothing evicted: no lease, or it changed hands (PostgreSQL reads which, after).
+        current = shown[0] if shown else None
+        if current is None and self.dialect == "postgresql":
+            current = self.get(resource)
+        if current is not None and current.fence != fence:
+            raise changed_hands(resource, fence, current)
+        return None
 
     # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:

@@ -30,6 +30,7 @@ __all__ = [
     "Settled",
     "Waits",
     "decide",
+    "due",
     "load",
     "release_sqlite",
     "release_wake",
@@ -37,9 +38,11 @@ __all__ = [
     "stored",
 ]
 
-#: A wait list entry: [identity, since_us, expires_us, woken_until_us, payload, attempt]; the
-#: attempt (the retries of the claim that listed it, null when it named none) is absent from
-#: places written by an earlier version.
+#: A wait list entry: [identity, since_us, expires_us, woken_until_us, payload, attempt, again];
+#: the attempt (the retries of the claim that listed it, null when it named none) is absent from
+#: places written by an earlier version; ``again`` (1: its missed wake was sent once more, see
+#: :func:`due`) only follows a missed wake, and every rewrite of the place that wakes or re-arms
+#: it drops it (the PostgreSQL statements build such a place with six items).
 Place = list[Any]
 
 
@@ -127,6 +130,7 @@ class Waits:
                 return place
             entry[2] = max(int(entry[2]), until)
             entry[3] = 0
+            del entry[6:]  # (re-armed: a later missed wake may be sent again)
             old, new = len(str(entry[4]).encode()), len(payload.encode())
             after = self.payload_bytes() - old + new
             if rearm_fits(old, new, after, len(self.places), bytes_cap):
@@ -147,6 +151,7 @@ def wake(entry: Place, until: int) -> None:
     """Mark a waiter woken until ``until`` (its place kept at least as long)."""
     entry[3] = until
     entry[2] = max(int(entry[2]), until)
+    del entry[6:]
 
 
 def stored(waits: Waits) -> dict[str, Any]:
@@ -234,6 +239,27 @@ def release_wake(raw: Any, slow: Any, now: int, grace_us: int) -> tuple[Waits, s
             wake(entry, now + grace_us)
             return waits, str(entry[4])
     return waits, None
+
+
+def due(raw: Any, slow: Any, now: int, grace_us: int) -> tuple[Waits, list[tuple[str, bool]]]:
+    """What ``wake_due`` does with a free resource's list (invariant 16): nothing while a wake
+    is in flight; else each missed wake not sent again yet is sent once more (marked), and the
+    first waiter never woken is woken. The list and the payloads to send, each with whether it
+    is a missed wake sent again."""
+    waits = Waits.read(raw, slow, now, 10 * grace_us)
+    if any(int(p[3]) > now for p in waits.places):
+        return waits, []
+    out: list[tuple[str, bool]] = []
+    for entry in waits.places:
+        if int(entry[3]) != 0 and not (len(entry) > 6 and entry[6]):
+            entry[5:] = [entry[5] if len(entry) > 5 else None, 1]
+            out.append((str(entry[4]), True))
+    for entry in waits.places:
+        if int(entry[3]) == 0:
+            wake(entry, now + grace_us)
+            out.append((str(entry[4]), False))
+            break
+    return waits, out
 
 
 # -- SQLite: the decisions run inside the caller's BEGIN IMMEDIATE ---------------------------
