@@ -18,6 +18,7 @@ from ._errors import (
 from ._interrupt import LeaseInterrupt, shielded
 from ._lease import Lease, LeaseInfo, Owner
 from ._ledger import REDO, Effect
+from ._release import force_release, release_lease
 from ._sweeper import (
     ExpiredLease,
     SweepReport,
@@ -56,10 +57,12 @@ __all__ = [
     "SweepReport",
     "__version__",
     "current_lease",
+    "force_release",
     "install",
     "lease_cleanup_failed",
     "lease_task",
     "on_expired",
+    "release_lease",
     "run_sweep",
     "shielded",
     "store_from_url",

@@ -4,10 +4,11 @@
 the module that creates the app if you want the ``--lease-*`` worker options (the command line
 is parsed before task modules are imported).
 
-Importing this module (which importing ``celery_lease`` does) installs three process-wide
+Importing this module (which importing ``celery_lease`` does) installs four process-wide
 hooks, marked where they happen below: an ``os.register_at_fork`` child hook that drops
 inherited store connections, a ``worker_process_shutdown`` receiver and an ``atexit`` handler
-that release the leases still held.
+that release the leases still held, and a ``worker_process_init`` receiver that starts the
+passes over the wait lists in each prefork pool process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ._errors import LeaseConfigError, LeaseError
 from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
+from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
 
@@ -39,6 +41,7 @@ __all__ = [
     "LeaseWakeQueues",
     "get_store",
     "install",
+    "lease_stores",
     "overridden_store",
     "override_store",
     "release_all_held",
@@ -197,6 +200,49 @@ def _on_process_shutdown(**_: Any) -> None:
     metrics.mark_process_dead()
 
 
+def lease_stores(app: Any) -> list[LeaseStore]:
+    """The stores ``app``'s lease tasks claim in: the app's, and any a task names itself (each
+    once). A store that cannot be made now (its server is down) is left out."""
+    found: dict[int, LeaseStore] = {}
+    settings = [LeaseSettings.resolve(app.conf)]
+    lease_task_types = tuple(_lease_task_types)
+    for task in list(app.tasks.values()):
+        if isinstance(task, lease_task_types):
+            settings.append(cast("Any", task).lease_settings)
+    for each in settings:
+        if not each.store_url and overridden_store() is None:
+            continue
+        try:
+            store = get_store(app, each)
+        except LeaseError as exc:
+            log.debug("celery_lease: store %s left out of the pass: %s", each.store_url, exc)
+            continue
+        found.setdefault(id(store), store)
+    return list(found.values())
+
+
+def _pass_over_waits(app: Any) -> None:
+    """Pass the turn on over ``app``'s wait lists every renew interval in this process (see
+    ``_wakes``): a wake whose sender died, or the waiters of a holder that died, go out within
+    about the hand-off grace plus that interval."""
+    settings = LeaseSettings.resolve(app.conf)
+    get_waker().pass_every(app, settings.effective_renew_interval, lambda: lease_stores(app))
+
+
+#: Apps whose prefork pool processes pass over the wait lists (see LeaseBootstep.start).
+_pass_in_children: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _on_process_init(**_: Any) -> None:
+    for app in list(_pass_in_children):
+        _pass_over_waits(app)
+
+
+# Import-time side effect (4): each prefork pool process passes over the wait lists of the
+# apps its worker started (connected here, in the parent, before it forks).
+signals.worker_process_init.connect(_on_process_init, weak=False)
+
+
 # Import-time side effects (2 and 3 of 3): a pool process that exits, and an interpreter that
 # exits, release the leases still held, so the next owner need not wait for the ttl. Both are
 # process-wide and idempotent (release_all_held on nothing held does nothing), so they are
@@ -292,17 +338,32 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             log.warning("celery_lease: %s", warning)
         log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
 
+    def _start_passes(self, worker: Any) -> None:
+        """Pass over the wait lists in every process that runs tasks: the pool processes of
+        a prefork worker (never its parent, which forks them: a thread there could be forked
+        mid-call), else this process."""
+        from celery.concurrency.prefork import TaskPool as PreforkPool
+
+        app = worker.app
+        if isinstance(worker.pool_cls, type) and issubclass(worker.pool_cls, PreforkPool):
+            _pass_in_children.add(app)
+        else:
+            _pass_over_waits(app)
+
     def create(self, worker: Any) -> None:
         # Here, before the consumer connects (start() runs after it did), so the warning
         # comes before the worker's first ack.
         warning = broker_pool_warning(worker.app, getattr(worker, "pool_cls", None), _most(worker))
         if warning is not None:
             log.warning("celery_lease: %s", warning)
+        # Here, before any step starts: a prefork pool may fork its processes before start().
+        self._start_passes(worker)
 
     def stop(self, worker: Any) -> None:
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.close()
+        get_waker().stop_passes(worker.app)
 
 
 #: Connections of the Redis broker's pool a green worker needs beyond one per task slot (the
@@ -416,57 +477,7 @@ def install(app: Any) -> None:
 
 
 # -- wake queues ---------------------------------------------------------------------------------
-#: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
-WAKE_QUEUE_SUFFIX = ".lease-wake"
-#: Broker transports (kombu's ``driver_type``) whose queue names and routing we checked: any
-#: name up to 255 bytes on AMQP (but ``amq.*``), any key on Redis; a publish to the default
-#: exchange ('') with the queue's name as routing key reaches that queue alone on both.
-_WAKE_TRANSPORTS = frozenset({"redis", "amqp"})
-_WAKE_QUEUE_ORDERS = frozenset({None, "round_robin", "priority"})
 _AMQP_NAME_MAX = 255
-_wake_on: weakref.WeakKeyDictionary[Any, tuple[int, bool]] = weakref.WeakKeyDictionary()
-
-
-def wake_queues_on(app: Any) -> bool:
-    """Whether ``app``'s workers consume a wake queue beside each task queue (and wakes may
-    go there): ``lease_handoff_wake_queue`` is not off and the broker is Redis or AMQP.
-
-    Worked out once per app and settings generation (see ``forget_resolved_settings``).
-    """
-    from ._settings import Resolved
-
-    known = _wake_on.get(app)
-    if known is not None and known[0] == Resolved.generation:
-        return known[1]
-    on = app.conf.get("lease_handoff_wake_queue") is not False
-    if on:
-        # Redis serves the consumed queues in an order: round-robin (rotating the one just
-        # served to the end) or "priority" (as consumed: each wake queue comes right before its
-        # task queue, see _wakes_first); "sorted" (by name) puts Q.lease-wake after Q, behind
-        # its backlog, and a custom order is unknown: no wake queues.
-        options = app.conf.get("broker_transport_options") or {}
-        on = options.get("queue_order_strategy") in _WAKE_QUEUE_ORDERS
-    if on:
-        try:
-            conn = app.connection_for_read()
-            try:
-                on = getattr(conn.transport, "driver_type", None) in _WAKE_TRANSPORTS
-            finally:
-                conn.release()
-        except Exception:  # noqa: BLE001 - an unknown transport: no wake queues
-            on = False
-    _wake_on[app] = (Resolved.generation, on)
-    return on
-
-
-def wake_queue(name: str) -> Any:
-    """The wake queue named ``name``: a direct exchange of its own, bound by its own name, so a
-    publish to it (Celery sends it through the default exchange, routing key = its name)
-    reaches it alone. Publisher and worker declare it alike (AMQP refuses a second declaration
-    that differs)."""
-    from kombu.entity import Exchange, Queue
-
-    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
 
 
 def _has_wake_queue(queue: Any) -> str | None:

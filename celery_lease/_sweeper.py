@@ -13,7 +13,12 @@ profile, a temp dir) and delete old identity, ledger and checkpoint records. Eac
    leaves the sweeper's claim to expire instead: the resource stays flagged (a WARNING log
    line, ``celery_lease_sweeps_total{result="cleanup_failed"}``, the
    :data:`lease_cleanup_failed` signal) and the next run tries again. It is never released as
-   if it were clean.
+   if it were clean. An expired lease whose resource has waiting tasks is not claimed past
+   them: the free resource is held for the next waiter (the hand-off), so the sweeper wakes that
+   waiter if nobody did, and flags the lease (``SweepReport.handed_over``, a WARNING line,
+   ``celery_lease_sweeps_total{result="handed_over"}``): the waiter takes it over as
+   ``recovered`` and reconciles, the hooks do not run for it. A cleaned-up lease is released
+   with the hand-off too: the next waiter is woken at once.
 
 Leases under prefixes without a hook are left alone: their next owner's claim reports the
 previous holder (``lease.recovered``), which the sweeper must not erase.
@@ -37,8 +42,10 @@ from . import _events as events
 from ._errors import LeaseBusyError, LeaseConfigError
 from ._lease import Lease, LeaseInfo, Owner
 from ._names import holder_task_id, show_value, validate_resource
+from ._release import release_lease
 from ._renewer import get_renewer
 from ._settings import LeaseSettings
+from ._wakes import send_wake
 from .stores.base import MAX_LIST_LIMIT, LeaseStore
 
 __all__ = [
@@ -102,6 +109,9 @@ class SweepReport:
     cleanup_failed: list[str] = field(default_factory=list)
     #: Expired leases found with a hook (``dry_run``: what a real run would try to reclaim).
     expired: list[str] = field(default_factory=list)
+    #: Expired leases whose resource is held for a waiting task: it takes them over (as
+    #: recovered) before any cleanup; the hooks did not run for them.
+    handed_over: list[str] = field(default_factory=list)
     dry_run: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -217,7 +227,7 @@ def run_sweep(
             left -= 1
             report.expired.append(info.resource)
             if not dry_run:
-                _reclaim(store, settings, info, hooks, report)
+                _reclaim(app, store, settings, info, hooks, report)
         if left <= 0:
             break
     if report.swept or report.reclaimed or report.cleanup_failed:
@@ -251,6 +261,7 @@ def _original(holder_label: str, fence: int) -> tuple[str, int]:
 
 
 def _reclaim(
+    app: Any,
     store: LeaseStore,
     settings: LeaseSettings,
     info: LeaseInfo,
@@ -261,10 +272,14 @@ def _reclaim(
     owner = Owner.new(_sweeper_label(holder, fence))
     try:
         lease = store.acquire(info.resource, owner, min(settings.ttl, store.max_ttl))
-    except LeaseBusyError:
-        return  # claimed since it was listed: its new owner deals with it
+    except LeaseBusyError as busy:
+        if busy.wake is not None:  # the head waiter nobody woke: its turn, not ours to keep
+            send_wake(app, busy.wake, info.resource, "sweep", busy.fence, store=store)
+        if busy.holder_label is not None and busy.holder_label.endswith(" (hand-off)"):
+            _flag_handed_over(info, busy.holder_label, report)
+        return  # (else claimed since it was listed: its new owner deals with it)
     if lease.previous_fence is None:  # released since it was listed: nothing left to clean
-        store.release(lease)
+        release_lease(lease, app=app)
         return
     if lease.previous_fence != info.fence:  # claimed and expired again since it was listed
         holder, fence = _original(lease.previous_owner_label or "?", lease.previous_fence)
@@ -293,7 +308,7 @@ def _reclaim(
                 return  # the claim stays and expires: the next run tries again
     finally:
         renewer.drop(hold)
-    if store.release(lease):
+    if release_lease(lease, app=app):  # (the next waiter is woken at once)
         report.reclaimed.append(info.resource)
         events.count("celery_lease_sweeps_total", result="reclaimed")
         return
@@ -307,6 +322,20 @@ def _reclaim(
     )
     report.reclaimed.append(info.resource)
     events.count("celery_lease_sweeps_total", result="reclaimed")
+
+
+def _flag_handed_over(info: LeaseInfo, waiter: str, report: SweepReport) -> None:
+    log.warning(
+        "celery_lease: expired lease %r (holder %r, fence %d) is held for %s: it takes the "
+        "resource over (recovered, and reconciles) before any cleanup; the on_expired hooks did "
+        "not run for it",
+        info.resource,
+        info.owner_label,
+        info.fence,
+        waiter.removesuffix(" (hand-off)"),
+    )
+    report.handed_over.append(info.resource)
+    events.count("celery_lease_sweeps_total", result="handed_over")
 
 
 def _flag(hook: Hook, expired: ExpiredLease, exc: Exception) -> None:

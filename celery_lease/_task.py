@@ -46,13 +46,11 @@ from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
 from ._app import (
-    WAKE_QUEUE_SUFFIX,
     AdoptsAppOptions,
     get_store,
     install,
     overridden_store,
     register_task_type,
-    wake_queue,
     wake_queue_for,
     wake_queues_on,
 )
@@ -77,6 +75,16 @@ from ._pid import getpid
 from ._renewer import Hold, Renewer, get_renewer
 from ._settings import LeaseSettings, Resolved
 from ._template import NameTemplate
+from ._wakes import (
+    EARLY_HEADER,
+    EARLY_RETRY_DELAYS,
+    LINEAGE_HEADER,
+    ROUTE_HEADER,
+    WAKE_QUEUE_SUFFIX,
+    WOKEN_HEADER,
+    send_wake,
+)
+from ._wakes import to_wake_queue as _to_wake_queue
 
 if TYPE_CHECKING:
     from .stores import LeaseStore
@@ -119,26 +127,9 @@ LEASE_TASK_KEYWORDS = ("resource", "identity", "reconcile", "reconcile_effect", 
 WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
-#: The fence of the holder that refused a message's first claim (or of the waker, on the woken
-#: copy of that claim's listing): every copy of that waiting execution (its lineage) carries
-#: it, so a failed run of this task id newer than it is a sibling copy's run, and an older one
-#: ran before this message was sent (a task id re-sent after its failure runs).
-LINEAGE_HEADER = "celery_lease_since_fence"
-#: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
-WOKEN_HEADER = "celery_lease_woken_at"
-#: The wake route. In a waiter's wake message: the wake queue of the task queue its copy came
-#: from (a string, written when that is certain). In a woken message sent to that wake queue:
-#: [wake queue, exchange, routing key] of the waiter's own route, which the woken copy takes
-#: as its delivery route (its retries, back-off copy and next wake go there). Honoured only on
-#: a message delivered from that wake queue, so a copy sent elsewhere (a retry with queue=)
-#: never follows a stale one.
-ROUTE_HEADER = "celery_lease_wake_route"
-#: In a wake sent with the release that hands the resource over (an early wake, see
-#: ``_release``): how many more times this copy, refused because that release has not landed
-#: yet, is sent again after a short delay (``EARLY_RETRY_DELAYS``). Such a copy claims without
-#: re-arming its place, so the release still wakes it (the releaser sent that wake already).
-EARLY_HEADER = "celery_lease_early"
-EARLY_RETRY_DELAYS = (0.02, 0.1, 0.5)
+# LINEAGE_HEADER, WOKEN_HEADER, ROUTE_HEADER, EARLY_HEADER and EARLY_RETRY_DELAYS: see _wakes.
+# An early copy (EARLY_HEADER) claims without re-arming its place, so the release that sent it
+# still wakes it (the releaser sent that wake already).
 #: Such a copy that came through a wake queue is sent again through it too, on the waiter's
 #: route (the tests' negative control sets False): on its task queue it waited behind the
 #: burst's first attempts, 0.5-0.8 s where 20 ms was meant.
@@ -957,7 +948,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         ):
 
             def wake_early() -> None:  # (the store runs it once its release is sent)
-                if self._wake(upcoming, lease.resource, "release", lease.fence, early=True):
+                if self._wake(
+                    upcoming, lease.resource, "release", lease.fence, early=True, store=lease.store
+                ):
                     sent.append(upcoming)
                 failpoints.hit("after_early_wake")
 
@@ -1007,7 +1000,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             if sent and (payload == sent[0] or self._rearmed_wake(sent[0], payload)):
                 return  # that waiter's wake went out with the release
             failpoints.hit("before_wake")
-            self._wake(payload, lease.resource, "release", lease.fence)
+            self._wake(payload, lease.resource, "release", lease.fence, store=lease.store)
             failpoints.hit("after_wake")
 
     # -- hand-off -------------------------------------------------------------------------------
@@ -1110,35 +1103,20 @@ class LeaseTask(Task):  # type: ignore[misc]
         by: str,
         fence: int | None = None,
         early: bool = False,
+        store: LeaseStore | None = None,
     ) -> bool:
-        """Send a woken waiter's message now (a lost send leaves its back-stop copy);
-        ``fence``: the waker's (the releaser's, or the last holder's), which a message listed
-        at its first claim takes as its waiting execution's start (see LINEAGE_HEADER);
-        ``early``: sent before the release that hands the resource over (EARLY_HEADER).
-        Returns whether it was sent."""
-        try:
-            message = json.loads(payload)
-            options = message["options"]
-            headers = options.setdefault("headers", {})
-            headers[WOKEN_HEADER] = _clock.wall()
-            if early:
-                headers[EARLY_HEADER] = len(EARLY_RETRY_DELAYS)
-            if fence is not None:
-                headers.setdefault(LINEAGE_HEADER, fence)
-            via = headers.pop(ROUTE_HEADER, None)
-            if isinstance(via, str) and self._compiled().wake_queues:
-                _to_wake_queue(options, headers, via)
-            signature = self.app.signature(message)
-            signature.apply_async()
-        except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
-            log.warning(
-                "could not wake the next waiter of %r (its back-stop copy runs it later): %s",
-                resource,
-                exc,
-            )
-            return False
-        events.count("celery_lease_handoffs_total", by=by)
-        return True
+        """Send a woken waiter's message now (see ``_wakes.send_wake``); with ``store``, the
+        turn is checked once its grace is over. Returns whether it was sent."""
+        return send_wake(
+            self.app,
+            payload,
+            resource,
+            by,
+            fence,
+            early=early,
+            wake_queues=self._compiled().wake_queues,
+            store=store,
+        )
 
     # -- busy and lost ------------------------------------------------------------------------
     def _lease_busy(
@@ -1170,7 +1148,13 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._skip(busy)
         if busy.wake is not None:  # the resource is free for a head waiter nobody woke
             payload, busy.wake = busy.wake, None
-            self._wake(payload, busy.resource or "?", "claim", busy.fence)
+            self._wake(
+                payload,
+                busy.resource or "?",
+                "claim",
+                busy.fence,
+                store=self._compiled().current_store(task=self),
+            )
         waits = int(_header(request, WAITS_HEADER) or 0)
         early = _header(request, EARLY_HEADER)
         left = min(_count(early), len(EARLY_RETRY_DELAYS))
@@ -1640,26 +1624,6 @@ def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:
         "fence": busy.fence,
         "expires_in": busy.expires_in,
     }
-
-
-def _to_wake_queue(options: dict[str, Any], headers: dict[str, Any], via: str) -> None:
-    """Send a wake message to the wake queue ``via`` instead of its own route, which goes in
-    its ROUTE_HEADER (the woken copy takes it as its delivery route)."""
-    if not via.endswith(WAKE_QUEUE_SUFFIX):
-        return
-    queue, exchange, routing_key = (options.get(k) for k in ("queue", "exchange", "routing_key"))
-    if isinstance(queue, str) and queue and exchange is None and routing_key is None:
-        route = ["", queue]  # sent on its queue's name (the default exchange)
-    elif queue is None and isinstance(exchange, str) and isinstance(routing_key, str):
-        route = [exchange, routing_key]
-    else:
-        return  # a route we would not rebuild exactly: its own
-    for key in ("queue", "exchange", "routing_key"):
-        options.pop(key, None)
-    # Exchange and routing key set too: a route of task_routes or of the task's own options is
-    # merged into a send's options where they are missing (it would send the wake there).
-    options.update(queue=wake_queue(via), exchange="", routing_key=via, exchange_type="direct")
-    headers[ROUTE_HEADER] = [via, *route]
 
 
 def _take_sent_route(request: Any) -> None:

@@ -391,11 +391,23 @@ def show(
 @click.argument("resource")
 @click.option("--force", is_flag=True, help="Required: evict whoever holds the lease.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--fence",
+    type=click.IntRange(0),
+    default=None,
+    help="Evict only the lease with this fence (refused when the resource changed hands).",
+)
 @click.pass_context
 @_fails_cleanly
-def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
+def release(ctx: click.Context, resource: str, force: bool, yes: bool, fence: int | None) -> None:
     """Evict RESOURCE's holder (needs --force): its fence is bumped, so its fenced writes are
-    refused once the resource is claimed again."""
+    refused once the resource is claimed again, and the evicted task runs again from the
+    start. The next waiting task is woken, as a release wakes it.
+
+    The eviction is bound to the lease shown at the prompt (or to --fence): if the resource
+    changed hands meanwhile, nothing is evicted and the command exits 1."""
+    from ._release import force_release
+
     resource = _resource(resource)
     if not force:
         raise UsageProblem(
@@ -407,6 +419,11 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
     if info is None:
         ctx.obj.echo(f"{resource}: no lease, nothing to release")
         return
+    if fence is not None and info.fence != fence:
+        raise CommandError(
+            f"{resource!r} is held by {info.owner_label!r} with fence {info.fence}, not fence "
+            f"{fence}: nothing evicted"
+        )
     if not yes:
         state = "expired" if info.expired else f"live, expires in {_duration(info.expires_in)}"
         click.confirm(
@@ -414,13 +431,17 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
             abort=True,
             err=True,
         )
-    evicted = store.force_release(resource)
+        fence = info.fence  # what was shown is what is evicted
+    try:
+        evicted = force_release(resource, app=ctx.obj.app, fence=fence, store=store)
+    except LeaseBusyError as exc:
+        raise CommandError(f"{exc}") from None
     if evicted is None:
         ctx.obj.echo(f"{resource}: the lease was gone already, nothing released")
         return
     ctx.obj.echo(
         f"{resource}: evicted {evicted.owner_label!r} (fence {evicted.fence}); the next claim "
-        "gets a higher fence"
+        "gets a higher fence, and the evicted task runs again from the start"
     )
 
 

@@ -12,8 +12,11 @@ setting is missing). It works with ``task_always_eager`` and with the worker of
 ``celery.contrib.pytest`` / ``celery.contrib.testing.worker.start_worker`` (which runs in a
 thread of the test process). Outside pytest, ``using_store(TestLeaseStore())`` does the same.
 
-The store has the whole store API (``get``, ``list``, ``identity_get``, ``force_release``...)
-plus a few moves a test needs:
+The store has the whole store API (``get``, ``list``, ``identity_get``, ``force_release``...),
+and behaves as a real store does: its ``release()`` frees the resource and wakes nobody. To
+release a lease the test holds and hand the resource to the task waiting for it, as production
+code outside a task does, call ``celery_lease.release_lease(holder)`` (and
+``celery_lease.force_release(resource)`` to evict with the hand-off). A few moves a test needs:
 
 * ``lease_store.expire(resource)`` makes the current lease look expired, as after the holder
   crashed: the next claim is a takeover with ``previous_fence`` and the checkpoints left behind;
@@ -33,7 +36,6 @@ patch them, while your task bodies see the frozen clock like the rest of your co
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +46,6 @@ from ._errors import LeaseLostError, LeaseStoreError
 from ._lease import Lease, LeaseInfo
 from ._names import validate_resource, validate_ttl
 from ._settings import forget_resolved_settings
-from ._task import LeaseTask
 from .stores.memory import MemoryLeaseStore
 
 __all__ = [
@@ -132,24 +133,6 @@ class TestLeaseStore(MemoryLeaseStore):
             raise LeaseStoreError("renewals are paused by celery_lease.testing.paused_renewals()")
         return super().renew_many(leases, ttl)
 
-    def release(
-        self, lease: Lease, *, outcome: str | None = None, result: str | None = None
-    ) -> bool:
-        """Release as ``MemoryLeaseStore`` does, and send the woken waiter's message at once.
-
-        On a worker the releasing task sends it; a lease the test itself holds
-        (``lease_store.acquire(...)``) has no task to do that, and its waiter would wait for
-        its back-stop copy, a ttl later. Sent here, for both, through the waiting task.
-        """
-        released = super().release(lease, outcome=outcome, result=result)
-        payload = lease.handoff
-        if payload is not None:
-            task = _lease_task_named(json.loads(payload).get("task"))
-            if task is not None:
-                lease.handoff = None  # sent here, not again by a releasing task
-                task._wake(payload, lease.resource, "release")
-        return released
-
     def _gate_decided(self, key: str, fence: int, admitted: bool, highest: int) -> None:
         # Under the store lock, with the decision: logged after it, another thread's admit
         # could be logged first and the log would show an order the gate never saw.
@@ -160,17 +143,6 @@ class TestLeaseStore(MemoryLeaseStore):
         with self._lock:
             admitted = [(d.key, d.fence) for d in self.gate_log if d.admitted]
         assert_no_stale_write_accepted(admitted)
-
-
-def _lease_task_named(name: Any) -> Any:
-    """The lease task ``name`` of an app lease tasks were bound to, or None."""
-    from ._app import _installed
-
-    for app in list(_installed):
-        task = app.tasks.get(name) if isinstance(name, str) else None
-        if isinstance(task, LeaseTask):
-            return task
-    return None
 
 
 def assert_no_stale_write_accepted(writes: Iterable[tuple[str, int] | int]) -> None:

@@ -7,8 +7,11 @@ entry point, so its exit statuses, stderr and stdin prompt are proven end to end
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -18,7 +21,7 @@ import pytest
 
 from celery_lease import LeaseBusyError, Owner
 from celery_lease.cli import holder_task_id, prefix_of
-from tests.cli_helpers import Target, make_target, one_line_error, run_lease
+from tests.cli_helpers import ROOT, Target, make_target, one_line_error, run_lease
 
 
 @pytest.fixture(params=["redis", "sqlite", "postgres"])
@@ -283,6 +286,71 @@ class TestErrors:
         done = sqlite_target.run("release", "browser/a", "--force", stdin="y\n")
         assert done.returncode == 0, done.stderr
         assert store.get("browser/a") is None
+
+
+class TestReleaseIsBoundToWhatWasShown:
+    """release --force evicts only the lease its prompt showed, or the one --fence names
+    (issue 27, item 2). Before: a holder that released and was replaced while the prompt
+    waited was evicted, and the command exited 0."""
+
+    def test_a_resource_that_changed_hands_at_the_prompt_is_refused(
+        self, sqlite_target: Target
+    ) -> None:
+        store = sqlite_target.store
+        shown = store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease", "release",
+             "browser/a", "--force"],
+            cwd=ROOT,
+            env={**os.environ, **sqlite_target.env(), "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            prompt = ""
+            deadline = time.monotonic() + 60
+            while "Evict" not in prompt:  # the prompt names the holder A and its fence
+                assert time.monotonic() < deadline, "no prompt"
+                assert proc.stderr is not None
+                prompt += proc.stderr.read(1)
+            assert proc.stderr is not None
+            while not prompt.endswith("[y/N]: "):
+                prompt += proc.stderr.read(1)
+            assert f"fence {shown.fence}" in prompt
+            store.release(shown)  # meanwhile A ends and B claims
+            now = store.acquire("browser/a", Owner.new("celery@w2:13:task-bbb"), 60)
+            out, err = proc.communicate("y\n", timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 1, out + err
+        assert "changed hands" in err and "task-bbb" in err, err
+        assert store.get("browser/a").fence == now.fence  # B is still the holder
+        store.renew(now)
+
+    def test_yes_with_a_stale_fence_is_refused(self, sqlite_target: Target) -> None:
+        store = sqlite_target.store
+        old = store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        store.release(old)
+        now = store.acquire("browser/a", Owner.new("celery@w2:13:task-bbb"), 60)
+        done = sqlite_target.run(
+            "release", "browser/a", "--force", "--yes", "--fence", str(old.fence)
+        )
+        assert done.returncode == 1
+        assert f"fence {now.fence}" in one_line_error(done)
+        assert store.get("browser/a").fence == now.fence
+
+    def test_yes_with_the_current_fence_evicts(self, sqlite_target: Target) -> None:
+        store = sqlite_target.store
+        held = store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        done = sqlite_target.run(
+            "release", "browser/a", "--force", "--yes", "--fence", str(held.fence)
+        )
+        assert done.returncode == 0, done.stderr
+        assert store.get("browser/a") is None
+        assert "runs again from the start" in done.stdout
 
 
 class TestInitSchemaByKind:

@@ -57,8 +57,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("store factory", {"stores", "stores.urls"}),
-    ("celery wiring", {"_app", "fencing"}),
-    ("tasks", {"_task", "_sweeper"}),
+    ("celery wiring", {"_app", "_wakes", "fencing"}),
+    ("tasks", {"_task", "_sweeper", "_release"}),
     ("entry points", {"", "cli", "testing", "contrib", "contrib.flower"}),
 ]
 

@@ -51,6 +51,28 @@ def app_for(store_url: str) -> Celery:
     return app
 
 
+def _wake_of(marker: str) -> str:
+    """A waiter's wake payload: a message of a task named ``marker``, to queue ``marker``."""
+    return json.dumps({"task": marker, "args": [], "kwargs": {}, "options": {"queue": marker}})
+
+
+def _sent(app: Celery, marker: str) -> list[str]:
+    """The task names of the messages sent to queue ``marker`` of ``app``'s memory broker."""
+    names = []
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(marker)
+        try:
+            while True:
+                try:
+                    message = queue.get(timeout=0.5)
+                except queue.Empty:
+                    return names
+                names.append(message.headers["task"])
+                message.ack()
+        finally:
+            queue.close()
+
+
 class TestTaskAndSchedule:
     def test_sweep_is_a_task_and_one_line_schedules_it(self) -> None:
         """sweep_schedule adds a beat entry for the task (run in TestCommand), keeping others."""
@@ -151,6 +173,66 @@ class TestHooks:
             assert len(signalled) == 2
         finally:
             celery_lease.lease_cleanup_failed.disconnect(on_failed)
+            store.close()
+
+    def test_an_expired_lease_held_for_a_waiter_is_flagged_and_its_turn_kept(
+        self,
+        real_store_kind: str,
+        request: pytest.FixtureRequest,
+        tmp_path: Path,
+        names: str,
+        hooks: None,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """A holder died while a task waits: the sweeper cannot claim past the waiter the free
+        resource is held for, so it wakes that waiter (nobody else did) and flags the lease.
+        Before (issue 27, item 3): the refused claim marked the waiter woken without sending
+        its wake (it waited for its back-stop copy) and the lease was silently skipped."""
+        store = make_store(real_store_kind, request, tmp_path)
+        app = app_for("memory://")
+        ran: list[str] = []
+        celery_lease.on_expired(names)(lambda expired: ran.append(expired.resource))
+        r = names + "browser/a"
+        try:
+            store.acquire(r, Owner.new("celery@w1:11:task-dead"), 0.3)
+            with pytest.raises(LeaseBusyError):
+                store.acquire(
+                    r, Owner.new("w"), 5, identity="waiter", wait=_wake_of(names), wait_ttl=60
+                )
+            wait_expired(store, r)
+            with caplog.at_level(logging.WARNING, logger="celery_lease._sweeper"):
+                report = celery_lease.run_sweep(app, store=store)
+            assert report.handed_over == [r] and report.reclaimed == [] and ran == []
+            assert [(w.identity, w.woken) for w in store.waiters(r)] == [("waiter", True)]
+            assert _sent(app, names) == [names]  # the waiter's message went out
+            assert any(r in rec.getMessage() and "did not run" in rec.getMessage()
+                       for rec in caplog.records)  # fmt: skip
+        finally:
+            store.close()
+
+    def test_a_cleaned_up_lease_is_handed_to_a_task_that_came_meanwhile(
+        self, request: pytest.FixtureRequest, tmp_path: Path, names: str, hooks: None
+    ) -> None:
+        """A task that arrived while the hook ran is woken by the sweeper's release (issue 32,
+        item 3), not left to its back-stop copy."""
+        store = make_store("sqlite", request, tmp_path)
+        app = app_for("memory://")
+        r = names + "browser/a"
+
+        @celery_lease.on_expired(names)
+        def cleanup(expired: celery_lease.ExpiredLease) -> None:
+            with pytest.raises(LeaseBusyError):  # a task comes and waits
+                store.acquire(
+                    r, Owner.new("w"), 5, identity="waiter", wait=_wake_of(names), wait_ttl=60
+                )
+
+        try:
+            expire(store, r, "celery@w1:11:task-dead")
+            report = celery_lease.run_sweep(app, store=store)
+            assert report.reclaimed == [r]
+            assert [(w.identity, w.woken) for w in store.waiters(r)] == [("waiter", True)]
+            assert _sent(app, names) == [names]
+        finally:
             store.close()
 
     def test_dry_run_changes_nothing(

@@ -86,9 +86,11 @@ def test_an_early_copy_refused_before_the_release_landed_comes_again_shortly(
 ):
     """Failed before the fix as the negative control does (W started 5 s or more after H
     ended): a refused early copy re-armed nothing and waited with the back-off."""
-    extra_b = {"CL_EARLY_RETRY": "off"} if retry == "off" else {}
+    # (off: without the turn checks and passes too, which would wake it a grace later)
+    off = {"CL_PASS_THE_TURN": "0"} if retry == "off" else {}
+    extra_b = {"CL_EARLY_RETRY": "off", **off} if retry == "off" else {}
     exited, entered, result, worker_b = _hand_over(
-        it_app, start_worker, store_env, events, queue, coord, extra_b, {}, kind
+        it_app, start_worker, store_env, events, queue, coord, extra_b, off, kind
     )
     assert result == 2
     assert len(entered) == 1, f"W's body ran {len(entered)} times"

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+import celery_lease
 from celery_lease import (
     FenceGate,
     LeaseInterrupt,
@@ -73,6 +74,10 @@ if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
     _store_base.DEFAULT_HANDOFF_GRACE = float(
         env.get("CL_HANDOFF_GRACE") or _store_base.DEFAULT_HANDOFF_GRACE
     )
+if env.get("CL_PASS_THE_TURN") == "0":  # the negative control of the turn checks and passes
+    from celery_lease import _wakes
+
+    _wakes.PASS_THE_TURN = False
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 #: How long a worker holds the Redis transport's ``unacked_mutex`` (kombu: 300 s). A worker
@@ -721,6 +726,21 @@ def _fifo_body(task: Any, n: int, k: int, hold: float) -> int:
 @lease_task(app=app, resource="fifo-{n}", bind=True)
 def fifo_hold(self: Any, n: int, k: int, hold: float) -> int:
     """Holds fifo-<n> for ``hold`` s; waits for it with the hand-off (identity on)."""
+    return _fifo_body(self, n, k, hold)
+
+
+class _RefusesWokenCopies(celery_lease.LeaseTask):
+    """Its ``before_start`` raises for a woken copy of k=1: Celery fails that copy before its
+    body, so it never claims (as a check in a user's own ``before_start`` might)."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        if (self.request.get(WOKEN) or (self.request.headers or {}).get(WOKEN)) and args[1] == 1:
+            raise RuntimeError("refused by before_start")
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True, base=_RefusesWokenCopies)
+def fifo_hold_refusing(self: Any, n: int, k: int, hold: float) -> int:
+    """fifo_hold whose woken copies of k=1 fail in before_start, never claiming."""
     return _fifo_body(self, n, k, hold)
 
 

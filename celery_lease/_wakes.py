@@ -1,0 +1,381 @@
+"""Sending wakes, and passing the turn on where a woken waiter never claims.
+
+A wake is a waiting task's message sent again: its turn has come (invariants 12-16 of
+``stores/base.py``). Everything that wakes a waiter sends it through :func:`send_wake`: the
+releasing task, a refused claim that found the head never woken, the sweeper, the CLI and
+``celery_lease.release_lease`` / ``force_release``. Two more things make sure the turn goes on
+when the woken copy never claims (revoked, expired, dropped before its claim, stuck in a
+dead worker) or the wake never left (its sender died after the release):
+
+* after each wake this process sends, a **turn check** once the wake's grace is over: the
+  store's ``wake_due`` on that resource wakes the next waiter and sends the missed one's wake
+  once more (the grace, not a ttl later);
+* every worker process that runs tasks makes a **pass** over its stores' wait lists every
+  renew interval (``wake_due`` on every list): wakes whose sender died, and waiters of a
+  holder that died, go out within about the grace plus one interval.
+
+One thread per process (:class:`Waker`) keeps both; a forked child makes its own. In a
+prefork worker the pass runs in the pool processes (started by ``worker_process_init``), never
+in the parent, which forks them (a thread there would be forked in the middle of its work).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import os
+import random
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _clock
+from . import _events as events
+from ._errors import LeaseError
+from ._pid import getpid
+
+if TYPE_CHECKING:
+    from .stores.base import LeaseStore
+
+__all__ = [
+    "EARLY_HEADER",
+    "EARLY_RETRY_DELAYS",
+    "LINEAGE_HEADER",
+    "ROUTE_HEADER",
+    "WAKE_QUEUE_SUFFIX",
+    "WOKEN_HEADER",
+    "Waker",
+    "get_waker",
+    "pass_turn",
+    "send_wake",
+    "to_wake_queue",
+    "wake_queue",
+    "wake_queues_on",
+]
+
+log = logging.getLogger(__name__)
+
+#: The fence of the holder that refused a message's first claim (or of the waker, on the woken
+#: copy of that claim's listing): every copy of that waiting execution (its lineage) carries
+#: it, so a failed run of this task id newer than it is a sibling copy's run, and an older one
+#: ran before this message was sent (a task id re-sent after its failure runs).
+LINEAGE_HEADER = "celery_lease_since_fence"
+#: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
+WOKEN_HEADER = "celery_lease_woken_at"
+#: The wake route. In a waiter's wake message: the wake queue of the task queue its copy came
+#: from (a string, written when that is certain). In a woken message sent to that wake queue:
+#: [wake queue, exchange, routing key] of the waiter's own route, which the woken copy takes
+#: as its delivery route (its retries, back-off copy and next wake go there). Honoured only on
+#: a message delivered from that wake queue, so a copy sent elsewhere (a retry with queue=)
+#: never follows a stale one.
+ROUTE_HEADER = "celery_lease_wake_route"
+#: In a wake sent with the release that hands the resource over (an early wake, see
+#: ``LeaseTask._release``): how many more times this copy, refused because that release has not
+#: landed yet, is sent again after a short delay (``EARLY_RETRY_DELAYS``).
+EARLY_HEADER = "celery_lease_early"
+EARLY_RETRY_DELAYS = (0.02, 0.1, 0.5)
+
+#: Whether this process passes the turn on at all: turn checks after its wakes and passes over
+#: the wait lists (the tests' negative control sets False: dropped wakes then wait for their
+#: back-stop copies).
+PASS_THE_TURN = True
+#: How long after a wake's grace ends its turn check runs: the woken copy's claim, sent just
+#: before the grace ended, has landed by then.
+TURN_SLACK = 0.05
+#: The passes over the wait lists are spread by +- this share of their interval.
+PASS_JITTER = 0.2
+#: The longest one pass or turn check waits before it is tried again after a store error.
+RETRY_CAP = 30.0
+
+
+#: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
+WAKE_QUEUE_SUFFIX = ".lease-wake"
+#: Broker transports (kombu's ``driver_type``) whose queue names and routing we checked: any
+#: name up to 255 bytes on AMQP (but ``amq.*``), any key on Redis; a publish to the default
+#: exchange ('') with the queue's name as routing key reaches that queue alone on both.
+_WAKE_TRANSPORTS = frozenset({"redis", "amqp"})
+_WAKE_QUEUE_ORDERS = frozenset({None, "round_robin", "priority"})
+_wake_on: weakref.WeakKeyDictionary[Any, tuple[int, bool]] = weakref.WeakKeyDictionary()
+
+
+def wake_queues_on(app: Any) -> bool:
+    """Whether ``app``'s workers consume a wake queue beside each task queue (and wakes may
+    go there): ``lease_handoff_wake_queue`` is not off and the broker is Redis or AMQP.
+
+    Worked out once per app and settings generation (see ``forget_resolved_settings``).
+    """
+    from ._settings import Resolved
+
+    known = _wake_on.get(app)
+    if known is not None and known[0] == Resolved.generation:
+        return known[1]
+    on = app.conf.get("lease_handoff_wake_queue") is not False
+    if on:
+        # Redis serves the consumed queues in an order: round-robin (rotating the one just
+        # served to the end) or "priority" (as consumed: each wake queue comes right before its
+        # task queue, see _wakes_first); "sorted" (by name) puts Q.lease-wake after Q, behind
+        # its backlog, and a custom order is unknown: no wake queues.
+        options = app.conf.get("broker_transport_options") or {}
+        on = options.get("queue_order_strategy") in _WAKE_QUEUE_ORDERS
+    if on:
+        try:
+            conn = app.connection_for_read()
+            try:
+                on = getattr(conn.transport, "driver_type", None) in _WAKE_TRANSPORTS
+            finally:
+                conn.release()
+        except Exception:  # noqa: BLE001 - an unknown transport: no wake queues
+            on = False
+    _wake_on[app] = (Resolved.generation, on)
+    return on
+
+
+def wake_queue(name: str) -> Any:
+    """The wake queue named ``name``: a direct exchange of its own, bound by its own name, so a
+    publish to it (Celery sends it through the default exchange, routing key = its name)
+    reaches it alone. Publisher and worker declare it alike (AMQP refuses a second declaration
+    that differs)."""
+    from kombu.entity import Exchange, Queue
+
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+
+
+def send_wake(
+    app: Any,
+    payload: str,
+    resource: str,
+    by: str,
+    fence: int | None = None,
+    *,
+    early: bool = False,
+    wake_queues: bool | None = None,
+    store: LeaseStore | None = None,
+) -> bool:
+    """Send a woken waiter's message now; whether it was sent.
+
+    ``by`` says who woke it (the ``celery_lease_handoffs_total`` label); ``fence``: the waker's
+    (the releaser's, or the last holder's), which a message listed at its first claim takes as
+    its waiting execution's start (LINEAGE_HEADER); ``early``: sent before the release that
+    hands the resource over (EARLY_HEADER); ``wake_queues``: whether the message may go to
+    its queue's wake queue (None: as the waiting task's settings say); ``store``: the store
+    whose wait list woke it, to check once the wake's grace is over that the turn went on
+    (a turn check, see :class:`Waker`). A send that fails leaves the waiter to its back-stop
+    copy and to the next pass over the wait lists.
+    """
+    try:
+        message = json.loads(payload)
+        options = message["options"]
+        headers = options.setdefault("headers", {})
+        headers[WOKEN_HEADER] = _clock.wall()
+        if early:
+            headers[EARLY_HEADER] = len(EARLY_RETRY_DELAYS)
+        if fence is not None:
+            headers.setdefault(LINEAGE_HEADER, fence)
+        via = headers.pop(ROUTE_HEADER, None)
+        if wake_queues is None:
+            wake_queues = _wake_queues_for(app, message.get("task"))
+        if isinstance(via, str) and wake_queues:
+            to_wake_queue(options, headers, via)
+        app.signature(message).apply_async()
+    except Exception as exc:  # noqa: BLE001 - any broker failure: the back-stop covers it
+        log.warning(
+            "could not wake the next waiter of %r (its back-stop copy runs it later): %s",
+            resource,
+            exc,
+        )
+        return False
+    events.count("celery_lease_handoffs_total", by=by)
+    if store is not None:
+        get_waker().after_wake(app, store, resource)
+    return True
+
+
+def _wake_queues_for(app: Any, name: Any) -> bool:
+    """Whether a wake of task ``name`` may go to a wake queue: the app's workers consume them
+    and the task does not turn them off (``lease_handoff_wake_queue``)."""
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    return wake_queues_on(app) and getattr(task, "lease_handoff_wake_queue", None) is not False
+
+
+def to_wake_queue(options: dict[str, Any], headers: dict[str, Any], via: str) -> None:
+    """Send a wake message to the wake queue ``via`` instead of its own route, which goes in
+    its ROUTE_HEADER (the woken copy takes it as its delivery route)."""
+    if not via.endswith(WAKE_QUEUE_SUFFIX):
+        return
+    queue, exchange, routing_key = (options.get(k) for k in ("queue", "exchange", "routing_key"))
+    if isinstance(queue, str) and queue and exchange is None and routing_key is None:
+        route = ["", queue]  # sent on its queue's name (the default exchange)
+    elif queue is None and isinstance(exchange, str) and isinstance(routing_key, str):
+        route = [exchange, routing_key]
+    else:
+        return  # a route we would not rebuild exactly: its own
+    for key in ("queue", "exchange", "routing_key"):
+        options.pop(key, None)
+    # Exchange and routing key set too: a route of task_routes or of the task's own options is
+    # merged into a send's options where they are missing (it would send the wake there).
+    options.update(queue=wake_queue(via), exchange="", routing_key=via, exchange_type="direct")
+    headers[ROUTE_HEADER] = [via, *route]
+
+
+def pass_turn(
+    app: Any, store: LeaseStore, resources: Sequence[str] | None = None, *, by: str = "turn"
+) -> int:
+    """Pass the turn on in ``store`` where nobody else will (its ``wake_due``) and send the
+    wakes it hands back; how many were sent. ``resources``: only these (None: every wait
+    list). A newly woken waiter gets a turn check of its own once its grace is over.
+
+    Raises:
+        LeaseStoreError: the store failed (wakes it marked meanwhile go out at a later pass).
+    """
+    sent = 0
+    for due in store.wake_due(resources=resources):
+        again = "again" if due.again else None
+        if send_wake(app, due.payload, due.resource, by, store=None if due.again else store):
+            sent += 1
+            log.info(
+                "celery_lease: %s waiter of %r woken by %s%s",
+                "a missed" if again else "the next",
+                due.resource,
+                "a turn check" if by == "turn" else f"the {by}",
+                " once more (its first wake was not claimed)" if again else "",
+            )
+    return sent
+
+
+class Waker:
+    """This process's turn checks and passes over the wait lists, on one daemon thread.
+
+    :meth:`after_wake` schedules a turn check of one resource once a wake's grace is over;
+    :meth:`pass_every` a pass over every wait list of an app's stores every ``interval``
+    seconds (jittered). A store error is logged and the work tried again later; the thread
+    never dies of one.
+    """
+
+    def __init__(self) -> None:
+        self._pid = getpid()
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        #: (id(store), resource) -> when its latest turn check is due (earlier ones are moot:
+        #: the latest wake decides whether the turn went on)
+        self._turns: dict[tuple[int, str], float] = {}
+        #: id() of each app passed over -> the number of its current chain of passes (a chain
+        #: stopped and started again leaves the old one to end at its next turn)
+        self._passing: dict[int, int] = {}
+        self._thread: threading.Thread | None = None
+
+    def after_wake(self, app: Any, store: LeaseStore, resource: str) -> None:
+        """Check, once the wake just sent on ``resource`` is past its grace, that the turn went
+        on (the woken waiter claimed, or the next one is woken now)."""
+        if not PASS_THE_TURN:
+            return
+        grace = float(getattr(store, "handoff_grace", 2.0))
+        due = _clock.monotonic() + grace + TURN_SLACK
+        with self._cond:
+            self._turns[(id(store), resource)] = due
+            self._push(due, ("turn", app, store, resource))
+
+    def pass_every(self, app: Any, interval: float, stores: Callable[[], list[LeaseStore]]) -> None:
+        """Pass over the wait lists of the stores ``stores()`` names (``app``'s) every
+        ``interval`` seconds, from now on (once per app)."""
+        if not PASS_THE_TURN:
+            return
+        with self._cond:
+            if id(app) in self._passing:
+                return
+            chain = self._passing[id(app)] = next(self._order)
+            item = ("pass", app, interval, stores, chain)
+            self._push(_clock.monotonic() + _jittered(interval), item)
+
+    def stop_passes(self, app: Any) -> None:
+        """No more passes over ``app``'s wait lists (its worker stops)."""
+        with self._cond:
+            self._passing.pop(id(app), None)
+
+    def _push(self, due: float, item: tuple[Any, ...]) -> None:
+        heapq.heappush(self._heap, (due, next(self._order), item))
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._run, name="celery-lease-waker", daemon=True
+            )
+            self._thread.start()
+        self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if not self._heap:
+                        # (idle: nothing to check and no pass; the next wake starts it again)
+                        if not self._cond.wait(timeout=5.0) and not self._heap:
+                            self._thread = None
+                            return
+                        continue
+                    due, _, item = self._heap[0]
+                    wait = due - _clock.monotonic()
+                    if wait <= 0:
+                        heapq.heappop(self._heap)
+                        if item[0] == "turn" and self._turns.get((id(item[2]), item[3])) != due:
+                            continue  # a later wake on that resource has its own check
+                        if item[0] == "turn":
+                            del self._turns[(id(item[2]), item[3])]
+                        break
+                    self._cond.wait(timeout=wait)
+            try:
+                self._do(item)
+            except Exception:
+                log.exception("celery_lease: a turn check or wait-list pass failed")
+
+    def _do(self, item: tuple[Any, ...]) -> None:
+        if item[0] == "turn":
+            _, app, store, resource = item
+            try:
+                pass_turn(app, store, [resource], by="turn")
+            except LeaseError as exc:  # the pass over every list covers it
+                log.debug("celery_lease: turn check of %r failed: %s", resource, exc)
+            return
+        _, app, interval, stores, chain = item
+        with self._cond:
+            if self._passing.get(id(app)) != chain:
+                return  # (stopped)
+        try:
+            for store in stores():
+                pass_turn(app, store, by="pass")
+        except LeaseError as exc:
+            log.warning("celery_lease: a pass over the wait lists failed: %s", exc)
+        with self._cond:
+            self._push(_clock.monotonic() + _jittered(interval), item)
+
+
+def _jittered(interval: float) -> float:
+    return interval * (1 + PASS_JITTER * (2 * random.random() - 1))
+
+
+_waker: Waker | None = None
+_waker_lock = threading.Lock()
+
+
+def get_waker() -> Waker:
+    """The waker of this process (a fresh one in a forked child)."""
+    global _waker  # noqa: PLW0603 - one per process, replaced after fork
+    waker = _waker
+    if waker is not None and waker._pid == getpid():
+        return waker
+    with _waker_lock:
+        if _waker is None or _waker._pid != getpid():
+            _waker = Waker()
+        return _waker
+
+
+def _after_fork_in_child() -> None:
+    global _waker  # noqa: PLW0603
+    _waker = None
+
+
+# Import-time side effect: a forked child starts without the parent's waker (its thread did
+# not survive the fork); get_waker() makes a new one on first use.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,149 @@
+"""No waiter depends on one worker staying alive (issue 32, items 1 and 3; invariant 16).
+
+A waiter's back-stop copy is a countdown message, which Celery keeps reserved (unacked) in the
+worker that fetched it. When that worker is also the releaser and dies between its release and
+its wake, the wake and the back-stops die together, and on a Redis broker they come back only
+after the transport's ``visibility_timeout`` (an hour by default). The store still lists every
+waiter with its wake message: the passes over the wait lists (every renew interval, in every
+worker) send the missed wake again and wake the next waiter, so every waiter runs within about
+the hand-off grace plus one interval of a worker being there.
+
+A forced release (``celery_lease.force_release``, ``celery lease release --force``) hands off as
+a release does: the head waiter runs in milliseconds, not from its back-stop copy a ttl later.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import celery_lease
+from celery_lease import Owner
+from tests.conftest import unique
+from tests.integration.harness import ROOT, worker_store
+from tests.tooling.servers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TTL = 6.0
+ENV = {
+    "CL_TTL": str(TTL),
+    "CL_BACKOFF_BASE": "0.05",
+    "CL_BACKOFF_CAP": "30",
+    "CL_HANDOFF_GRACE": "1.0",
+    "CL_EARLY_WAKE": "0",  # (the failpoint stops a wake sent after the release)
+}
+WAITERS = 6
+#: From the kill: the ttl the holder had left is not waited for (it released); the grace (1 s),
+#: one renew interval (2 s, +-20 %) per missed wake passed on, and each waiter's short body.
+BOUND = 25.0
+
+
+def _queue_up(it_app, events, queue, n):
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    waiters = []
+    for k in range(1, WAITERS + 1):
+        waiters.append(it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue))
+        events.wait(ev="retry", task=waiters[-1].id)
+    return holder, waiters
+
+
+def _killer(env, tmp_path):
+    return {
+        **env,
+        "CELERY_LEASE_FAILPOINTS": "before_wake=kill",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_waiter_runs_when_the_releaser_dies_with_their_back_stops(
+    it_app, start_worker, store_env, events, queue, tmp_path, workers
+):
+    """One worker (restarted at once) or two (the other one stays): the releaser is SIGKILLed
+    between its release and its wake, holding every waiter's back-stop copy. Before: 0 of 6
+    waiters ran within 26 s of the kill (one hour of visibility timeout)."""
+    env = {**store_env("redis"), **ENV}
+    doomed = start_worker(_killer(env, tmp_path), queue=queue, pool="threads", concurrency=2)
+    if workers == 2:
+        start_worker(env, queue=queue, pool="threads", concurrency=2, name=unique("other"))
+    n = unique("o")
+    holder, _waiters = _queue_up(it_app, events, queue, n)
+    wait_for((tmp_path / "once.before_wake").exists, 30, "the releaser to die at its wake")
+    killed = time.time()
+    wait_for(lambda: doomed.proc.poll() is not None, 10, "the releaser's process to end")
+    if workers == 1:
+        start_worker(env, queue=queue, pool="threads", concurrency=2)
+    for k in range(1, WAITERS + 1):
+        enter = events.wait(ev="enter", res=n, k=k, timeout=BOUND + 30)
+        assert enter["t"] - killed < BOUND, f"waiter {k} started {enter['t'] - killed:.1f}s late"
+    wait_for(lambda: len(events.where(ev="exit", res=n)) == WAITERS + 1, 30, "every body ends")
+    entered = [e["k"] for e in events.where(ev="enter", res=n)]
+    assert sorted(entered) == list(range(WAITERS + 1)), f"bodies ran {entered}"
+    del holder
+
+
+def test_negative_control_without_passes_the_waiters_wait_for_the_broker(
+    it_app, start_worker, store_env, events, queue, tmp_path
+):
+    """With the turn checks and passes off, nothing runs the waiters until the broker gives the
+    dead worker's messages back (here: not within the bound)."""
+    env = {**store_env("redis"), **ENV, "CL_PASS_THE_TURN": "0"}
+    start_worker(_killer(env, tmp_path), queue=queue, pool="threads", concurrency=2)
+    n = unique("o")
+    _queue_up(it_app, events, queue, n)
+    wait_for((tmp_path / "once.before_wake").exists, 30, "the releaser to die at its wake")
+    start_worker(env, queue=queue, pool="threads", concurrency=2)
+    time.sleep(BOUND)  # the bound the test above holds to: nothing may run within it here
+    assert not [e for e in events.where(ev="enter", res=n) if e["k"] > 0]
+
+
+@pytest.mark.parametrize("how", ["api", "cli", "store_only"])
+def test_a_forced_release_hands_off_as_a_release_does(
+    it_app, start_worker, store_env, events, queue, how
+):
+    """Evicting the holder while a task waits wakes that task (api, cli) in well under the
+    ttl; the store's own force_release (the negative control) wakes nobody and the waiter
+    runs only from its back-stop copy, about a ttl after its refused claim. Before (issue 32,
+    item 3): the CLI's eviction woke nobody (a waiter started 11.8 s later)."""
+    env = {**store_env("redis"), **ENV, "CL_TTL": "12", "CL_PASS_THE_TURN": "0"}
+    start_worker(env, queue=queue, pool="threads", concurrency=2)
+    n = unique("o")
+    store = worker_store(env)
+    resource = f"fifo-{n}"
+    try:
+        held = store.acquire(resource, Owner.new("an operator's script"), 60)
+        waiter = it_app.fifo_hold.apply_async((n, 1, 0.1), queue=queue)
+        events.wait(ev="retry", task=waiter.id)
+        evicted_at = time.time()
+        if how == "api":
+            evicted = celery_lease.force_release(resource, app=it_app.app, store=store)
+            assert evicted is not None and evicted.fence == held.fence
+        elif how == "cli":
+            done = subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "tests.integration.worker_app", "lease",
+                 "release", resource, "--force", "--yes", "--fence", str(held.fence)],
+                cwd=ROOT,
+                env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+        else:
+            store.force_release(resource)
+        enter = events.wait(ev="enter", res=n, k=1, timeout=60)
+        gap = enter["t"] - evicted_at
+        if how == "store_only":
+            assert gap > 8.0, f"the waiter started {gap:.1f}s after the store's eviction"
+        else:  # (the CLI's own start is in it: a Python with Celery, 1-3 s here)
+            assert gap < 7.0, f"the waiter started {gap:.1f}s after the eviction"
+        assert waiter.get(timeout=30) == 1
+    finally:
+        store.close()
