@@ -112,8 +112,10 @@ def test_the_task_page_names_the_lease_and_its_holder(
             "the task page to name the holder",
             interval=0.3,
         )
-        annotation = page[page.find("resource res-31") :][:400]
-        assert "resource res-31: held by flower-test-holder with fence" in page, annotation
+        annotation = page[page.find("res-31") :][:400]
+        assert "waits for res-31 at place 1 of 1, behind the holder flower-test-holder" in page, (
+            annotation
+        )
         assert f"fence {holder.fence}" in page
         assert holder.owner.token not in page
         # The tasks table (JSON, drawn through the same hook) carries the annotation too.
@@ -125,7 +127,7 @@ def test_the_task_page_names_the_lease_and_its_holder(
             )
         )
         row = next(r for r in table["data"] if r["uuid"] == result.id)
-        assert "held by flower-test-holder" in row["lease"]
+        assert "behind the holder flower-test-holder" in row["lease"]
         # Negative control: Flower's own API (no format_task) has dropped the event's fields.
         info = json.loads(get(port, f"/api/task/info/{result.id}"))
         assert "lease" not in info
