@@ -12,7 +12,7 @@ from celery.events.state import State
 
 from celery_lease import LeaseBusyError, Owner, lease_task
 from celery_lease._app import get_store
-from celery_lease.contrib import flower
+from celery_lease.contrib import _flower_task, flower
 from tests.conftest import unique
 
 
@@ -230,3 +230,20 @@ class TestTheTruthPerTask:
             f"ended (SUCCESS); its identity 'pay-4' on inv:4 was last run by {label('t5')} "
             f"with fence {ran.fence}"
         )
+
+    def test_an_end_seen_after_a_cached_read_is_not_called_a_holding(self, app, monkeypatch):
+        """Read while it held, then released and SUCCESS: within the cache period the page
+        still says ended with its fence (the contradiction is checked on a fresh read)."""
+        monkeypatch.setattr(_flower_task, "CACHE_SECONDS", 600.0)
+        store = get_store(app)
+        held = store.acquire("inv:2", Owner.new(label("t2")), 30, identity="t2")
+        running = task_from_events(received("t2", 2), {"type": "task-started", "uuid": "t2"})
+        assert flower.annotate(copy.copy(running), app).lease.startswith("holds inv:2")
+        assert store.release(held, outcome="done", result="2")
+        ended = task_from_events(
+            received("t2", 2),
+            {"type": "task-started", "uuid": "t2"},
+            {"type": "task-succeeded", "uuid": "t2", "result": "2"},
+        )
+        shown = flower.annotate(copy.copy(ended), app)
+        assert shown.lease == f"ended (SUCCESS) with fence {held.fence} on inv:2"

@@ -90,7 +90,11 @@ def _decide(task: Any, app: Any, resource: str) -> Verdict:
     task_id = str(getattr(task, "uuid", None) or "")
     state = str(getattr(task, "state", None) or states.PENDING)
     info, queue = _snapshot(app, resource)
-    mine = info is not None and bool(task_id) and holder_task_id(info.owner_label) == task_id
+    if _holds(info, task_id) and state != states.STARTED:
+        # About to contradict Flower (its state, or its end): never on a read up to a cache
+        # period old, which may predate the release that the state Flower shows came after.
+        info, queue = _snapshot(app, resource, fresh=True)
+    mine = _holds(info, task_id)
     if state in ENDED:
         if info is not None and mine and not info.expired:
             return Verdict(
@@ -120,6 +124,10 @@ def _decide(task: Any, app: Any, resource: str) -> Verdict:
     if place is not None:
         return Verdict(_waiting(resource, place, queue, info))
     return Verdict(f"not holding {resource}, not in its wait list: {_resource_state(info, queue)}")
+
+
+def _holds(info: LeaseInfo | None, task_id: str) -> bool:
+    return info is not None and bool(task_id) and holder_task_id(info.owner_label) == task_id
 
 
 def _ended(task: Any, app: Any, resource: str, state: str, task_id: str) -> str:
@@ -214,12 +222,14 @@ def _identity_of(task: Any, app: Any, task_id: str) -> str | None:
     return None if identity is None else str(identity)
 
 
-def _snapshot(app: Any, resource: str) -> tuple[LeaseInfo | None, list[Waiter]]:
+def _snapshot(
+    app: Any, resource: str, fresh: bool = False
+) -> tuple[LeaseInfo | None, list[Waiter]]:
     def read() -> tuple[LeaseInfo | None, list[Waiter]]:
         store = _store(app)
         return store.get(resource), store.waiters(resource)
 
-    return _cached(("lease", id(app), resource), read)  # type: ignore[no-any-return]
+    return _cached(("lease", id(app), resource), read, fresh)  # type: ignore[no-any-return]
 
 
 def _identity_record(app: Any, resource: str, identity: str) -> IdentityInfo | None:
@@ -235,10 +245,10 @@ def _store(app: Any) -> Any:
     return get_store(app)
 
 
-def _cached(key: tuple[Any, ...], read: Any) -> Any:
+def _cached(key: tuple[Any, ...], read: Any, fresh: bool = False) -> Any:
     now = _clock.monotonic()
     with _lock:
-        hit = _cache.get(key)
+        hit = None if fresh else _cache.get(key)
     if hit is not None and now - hit[0] < CACHE_SECONDS:
         return hit[1]
     value = read()
