@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
+from datetime import datetime, timezone
 
 import pytest
 from celery import Celery
@@ -12,8 +14,9 @@ from celery.events.state import State
 
 from celery_lease import LeaseBusyError, Owner, lease_task
 from celery_lease._app import get_store
-from celery_lease.contrib import _flower_task, flower
+from celery_lease.contrib import _flower_page, _flower_task, flower
 from tests.conftest import unique
+from tests.tooling.servers import wait_for
 
 
 @pytest.fixture
@@ -247,3 +250,81 @@ class TestTheTruthPerTask:
         )
         shown = flower.annotate(copy.copy(ended), app)
         assert shown.lease == f"ended (SUCCESS) with fence {held.fence} on inv:2"
+
+
+class TestLeasesPage:
+    def test_contended_leases_come_first_with_holder_and_wait_list(self, app):
+        """The rows: contended first, then held, then expired; each with its wait list."""
+        store = get_store(app)
+        store.acquire("pg/held", Owner.new(label("ta")), 30, identity="ta")
+        busy = store.acquire("pg/busy", Owner.new(label("tb")), 30, identity="tb")
+        for task_id in ("w0", "w1"):
+            with pytest.raises(LeaseBusyError):
+                store.acquire("pg/busy", Owner.new(label(task_id)), 30, identity=task_id, wait="{}")
+        store.acquire("pg/gone", Owner.new(label("tc")), 0.05, identity="tc")
+        wait_for(lambda: store.get("pg/gone").expired, 10, "the short lease to expire")
+        rows, more = _flower_page.collect(store, prefix="pg/")
+        assert [row.info.resource for row in rows] == ["pg/busy", "pg/held", "pg/gone"]
+        assert [w.identity for w in rows[0].waiters] == ["w0", "w1"] and not more
+        names = {"tb": ("proj.charge", "STARTED"), "w1": ("proj.charge", "RETRY")}
+        page = _flower_page.render(
+            rows,
+            more,
+            store_url=store.url,
+            read_at=datetime.now(timezone.utc),
+            task_of=names.get,
+            base="/flower",
+        )
+        assert "3 leases held, 1 contended (2 tasks waiting), 1 expired and never released." in (
+            page
+        )
+        row = next(r for r in re.findall(r"<tr>.*?</tr>", page, re.S) if "pg/busy" in r)
+        assert 'href="/flower/task/tb">proj.charge</a>' in row
+        assert f">{busy.fence}</td>" in row and ">contended</span>" in row
+        # Known tasks are linked, an identity Flower does not know is shown as text.
+        assert row.index(">w0</span>") < row.index('href="/flower/task/w1"')
+        assert busy.owner.token not in page
+
+    def test_more_leases_than_the_limit_say_so(self, app):
+        """Past the limit: the first ones, and a line saying there are more."""
+        store = get_store(app)
+        for n in range(3):
+            store.acquire(f"lim/{n}", Owner.new(label(f"t{n}")), 30)
+        rows, more = _flower_page.collect(store, prefix="lim/", limit=2)
+        assert len(rows) == 2 and more
+        page = _flower_page.render(
+            rows, more, store_url=store.url, read_at=datetime.now(timezone.utc), limit=2
+        )
+        assert "Showing the first 2" in page
+
+    def test_values_are_escaped(self, app):
+        """A holder label is the user's text: it is escaped, never markup."""
+        store = get_store(app)
+        store.acquire("esc/1", Owner.new("<script>alert(1)</script>"), 30)
+        rows, more = _flower_page.collect(store, prefix="esc/")
+        page = _flower_page.render(
+            rows, more, store_url=store.url, read_at=datetime.now(timezone.utc)
+        )
+        assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+class TestInstall:
+    def test_the_route_goes_before_flowers_catch_all_once(self, monkeypatch):
+        """Added right before the catch-all (so it is reached), and only once."""
+        urls = pytest.importorskip("flower.urls")
+        monkeypatch.setattr(urls, "handlers", list(urls.handlers))
+        assert flower.add_leases_page()
+        assert flower.add_leases_page()
+        names = [getattr(route, "name", None) for route in urls.handlers]
+        assert names.count(_flower_page.ROUTE_NAME) == 1
+        assert names.index(_flower_page.ROUTE_NAME) == len(urls.handlers) - 2
+        assert urls.handlers[-1][0] == r".*"
+
+    def test_an_unexpected_route_list_adds_nothing_and_warns(self, monkeypatch, caplog):
+        """A Flower whose route list does not end in its catch-all: no page, a warning."""
+        urls = pytest.importorskip("flower.urls")
+        changed = list(urls.handlers[:-1])
+        monkeypatch.setattr(urls, "handlers", changed)
+        assert not flower.add_leases_page()
+        assert all(getattr(route, "name", None) != _flower_page.ROUTE_NAME for route in changed)
+        assert "the Leases page is not added" in caplog.text

@@ -20,12 +20,15 @@ to every task Flower shows (the task page, and the rows of the tasks table's JSO
 ``flowerconfig.py`` next to where Flower runs (``celery -A proj flower``):
 
 ```python
-from celery_lease.contrib.flower import format_task
+from celery_lease.contrib.flower import add_leases_page, format_task
+
+add_leases_page()  # /leases: every lease held, its holder and fence, who waits for it
 ```
 
 The resource comes from the task's ``resource`` template applied to its arguments as Flower
 shows them (when Flower cut a long argument short there is no resource to show). Store reads are
-cached for :data:`CACHE_SECONDS`.
+cached for :data:`CACHE_SECONDS`. :func:`add_leases_page` adds a page of its own to Flower;
+Flower has no plugin interface for pages, see its docstring for how and what that costs.
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ from typing import Any
 from .._eventlog import redact
 from ._flower_task import CACHE_SECONDS, clear_cache, verdict
 
-__all__ = ["CACHE_SECONDS", "annotate", "clear_cache", "format_task", "make_format_task"]
+__all__ = [
+    "CACHE_SECONDS",
+    "add_leases_page",
+    "annotate",
+    "clear_cache",
+    "format_task",
+    "make_format_task",
+]
 
 
 def format_task(task: Any) -> Any:
@@ -70,3 +80,30 @@ def annotate(task: Any, app: Any) -> Any:
         at = fields.index("state") + 1 if "state" in fields else len(fields)
         task._fields = (*fields[:at], "lease", *fields[at:])
     return task
+
+
+def add_leases_page(app: Any = None) -> bool:
+    """Add a Leases page to Flower, at ``/leases`` (under its ``url_prefix``); call it in
+    ``flowerconfig.py``.
+
+    The page lists every lease held (up to ``?limit=``, 200 by default; ``?prefix=`` narrows
+    it), contended ones first: the resource, its holder (a link to the holder's task page when
+    Flower has seen it), fence and expiry, and its wait list, next first, each waiting task
+    linked. It is read from the store when drawn, in Flower's thread pool, and asks for the same
+    login as Flower's own pages.
+
+    Flower has no plugin interface for pages: this adds a route to the list Flower builds its
+    application from (``flower.urls.handlers``, right before its catch-all route), which Flower
+    reads after ``flowerconfig.py``. A Flower whose list is not laid out that way gets no page
+    and a warning; the ``format_task`` fields do not depend on it.
+
+    Args:
+        app: the Celery app whose ``lease_*`` settings name the store; default: the app Flower
+            runs with (``celery -A proj flower``).
+
+    Returns:
+        Whether the page was added (or was there already).
+    """
+    from ._flower_page import install
+
+    return install(app)
