@@ -30,7 +30,7 @@ from .._lease import LeaseInfo
 from .._names import holder_task_id
 from ..stores.base import IdentityInfo, Waiter
 
-__all__ = ["CACHE_SECONDS", "Verdict", "clear_cache", "resource_of", "verdict"]
+__all__ = ["CACHE_SECONDS", "Verdict", "clear_cache", "verdict"]
 
 #: Seconds a read of the store is reused.
 CACHE_SECONDS = 1.0
@@ -39,6 +39,8 @@ CACHE_SECONDS = 1.0
 ENDED = frozenset(states.READY_STATES)
 #: Waiters named before the rest are counted.
 NAMED_AHEAD = 3
+#: What reading Flower's text of the arguments can raise.
+_UNREADABLE = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)
 
 _cache: dict[tuple[Any, ...], tuple[float, Any]] = {}
 _lock = threading.Lock()
@@ -62,38 +64,44 @@ def clear_cache() -> None:
 def verdict(task: Any, app: Any) -> Verdict | None:
     """The lease of Flower's copy of ``task``, or None when it is no lease task of ``app`` or
     its resource cannot be worked out from the arguments Flower shows."""
-    resource = resource_of(task, app)
-    if resource is None:
-        return None
-    try:
-        return _decide(task, app, resource)
-    except LeaseError as exc:
-        return Verdict(f"{resource}: lease store unavailable ({exc})")
-
-
-def resource_of(task: Any, app: Any) -> str | None:
-    """The resource a task of ``app`` leases, from its template over Flower's argument text."""
-    resource = getattr(task, "resource", None)
-    if isinstance(resource, str) and resource:
-        return resource
     definition = _definition(task, app)
     if definition is None:
         return None
     try:
-        args, kwargs = _arguments(task)
-        return str(definition.lease_resource_for(args, kwargs))
-    except (LeaseError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        call = _arguments(task)
+    except _UNREADABLE:  # (cut short by Flower, or not Python literals)
+        return None
+    resource = _resource(definition, call)
+    if resource is None:
+        return None
+    try:
+        return _decide(task, definition, call, app, resource)
+    except LeaseError as exc:
+        return Verdict(f"{resource}: lease store unavailable ({exc})")
+
+
+def _resource(definition: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> str | None:
+    """The resource the task leases: its template over Flower's text of the arguments."""
+    try:
+        return str(definition.lease_resource_for(*call))
+    except (LeaseError, *_UNREADABLE):
         return None
 
 
-def _decide(task: Any, app: Any, resource: str) -> Verdict:
+def _decide(
+    task: Any,
+    definition: Any,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    app: Any,
+    resource: str,
+) -> Verdict:
     task_id = str(getattr(task, "uuid", None) or "")
     state = str(getattr(task, "state", None) or states.PENDING)
-    info, queue = _snapshot(app, resource)
+    info = _lease(app, resource)
     if _holds(info, task_id) and state != states.STARTED:
         # About to contradict Flower (its state, or its end): never on a read up to a cache
         # period old, which may predate the release that the state Flower shows came after.
-        info, queue = _snapshot(app, resource, fresh=True)
+        info = _lease(app, resource, fresh=True)
     mine = _holds(info, task_id)
     if state in ENDED:
         if info is not None and mine and not info.expired:
@@ -102,7 +110,7 @@ def _decide(task: Any, app: Any, resource: str) -> Verdict:
                 f"{info.fence}, expires in {info.expires_in:.1f}s: another copy of it runs, or "
                 "its release did not reach the store"
             )
-        return Verdict(_ended(task, app, resource, state, task_id))
+        return Verdict(_ended(definition, call, app, resource, state, task_id))
     if info is not None and mine:
         if info.expired:
             return Verdict(
@@ -119,7 +127,8 @@ def _decide(task: Any, app: Any, resource: str) -> Verdict:
             f"{text} (Flower's last event for this task id said {state}, from another copy of it)",
             states.STARTED,
         )
-    identity = _identity_of(task, app, task_id)
+    queue = _waiters(app, resource)
+    identity = _identity_of(definition, call, task_id)
     place = next((w for w in queue if w.identity == identity), None) if identity else None
     if place is not None:
         return Verdict(_waiting(resource, place, queue, info))
@@ -130,8 +139,15 @@ def _holds(info: LeaseInfo | None, task_id: str) -> bool:
     return info is not None and bool(task_id) and holder_task_id(info.owner_label) == task_id
 
 
-def _ended(task: Any, app: Any, resource: str, state: str, task_id: str) -> str:
-    identity = _identity_of(task, app, task_id)
+def _ended(
+    definition: Any,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    app: Any,
+    resource: str,
+    state: str,
+    task_id: str,
+) -> str:
+    identity = _identity_of(definition, call, task_id)
     record = _identity_record(app, resource, identity) if identity else None
     if record is None:
         return f"ended ({state}); no fence of it is recorded on {resource}"
@@ -205,31 +221,33 @@ def _literal(text: Any, empty: Any) -> Any:
     return ast.literal_eval(text)
 
 
-def _identity_of(task: Any, app: Any, task_id: str) -> str | None:
+def _identity_of(
+    definition: Any, call: tuple[tuple[Any, ...], dict[str, Any]], task_id: str
+) -> str | None:
     """The identity the task claims and waits under: its ``identity=`` template over the
     arguments, else its task id. (An ``idempotency_key`` header would win on the worker; Flower
     does not show headers.) None when the task keeps no identity (dedup off)."""
-    definition = _definition(task, app)
-    if definition is None or not task_id:
+    if not task_id:
         return None
     from celery.app.task import Context
 
     try:
-        args, kwargs = _arguments(task)
-        identity = definition.lease_identity_for(args, kwargs, Context(id=task_id))
-    except (LeaseError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        identity = definition.lease_identity_for(*call, Context(id=task_id))
+    except (LeaseError, *_UNREADABLE):
         return task_id
     return None if identity is None else str(identity)
 
 
-def _snapshot(
-    app: Any, resource: str, fresh: bool = False
-) -> tuple[LeaseInfo | None, list[Waiter]]:
-    def read() -> tuple[LeaseInfo | None, list[Waiter]]:
-        store = _store(app)
-        return store.get(resource), store.waiters(resource)
+def _lease(app: Any, resource: str, fresh: bool = False) -> LeaseInfo | None:
+    return _cached(  # type: ignore[no-any-return]
+        ("lease", id(app), resource), lambda: _store(app).get(resource), fresh
+    )
 
-    return _cached(("lease", id(app), resource), read, fresh)  # type: ignore[no-any-return]
+
+def _waiters(app: Any, resource: str) -> list[Waiter]:
+    return _cached(  # type: ignore[no-any-return]
+        ("waiters", id(app), resource), lambda: list(_store(app).waiters(resource))
+    )
 
 
 def _identity_record(app: Any, resource: str, identity: str) -> IdentityInfo | None:
