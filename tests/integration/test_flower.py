@@ -11,6 +11,7 @@ Chromium (done by hand, not in CI).
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import os
@@ -18,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,7 @@ def flower(tmp_path: Path) -> Any:
     """Start Flower on 127.0.0.1 with the lease hook in its flowerconfig.py; stop it by PID."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(env: dict[str, str]) -> int:
+    def start(env: dict[str, str], *args: str, prefix: str = "") -> int:
         port = free_port()
         conf = tmp_path / "flowerconfig.py"
         conf.write_text(
@@ -107,6 +109,7 @@ def flower(tmp_path: Path) -> Any:
                     "--address=127.0.0.1",
                     f"--port={port}",
                     f"--conf={conf}",
+                    *args,
                 ],
                 cwd=ROOT,
                 # (On 127.0.0.1 only: Flower's JSON API wants auth unless told otherwise.)
@@ -124,7 +127,7 @@ def flower(tmp_path: Path) -> Any:
         def up() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"flower exited:\n{log.read_text()[-3000:]}")
-            return reachable(port, "/healthcheck") is not None
+            return reachable(port, f"{prefix}/healthcheck") is not None
 
         wait_for(up, 60, "flower to answer", interval=0.2)
         return port
@@ -203,6 +206,29 @@ def test_the_task_page_names_the_lease_and_its_holder(
         store.release(holder)
         store.close()
     assert result.get(timeout=60) > holder.fence  # claimed once the holder let go
+
+
+def test_the_leases_page_asks_for_flowers_login_under_its_url_prefix(it_app, store_env, flower):
+    """With --basic-auth and --url_prefix: /flower/leases is refused without the login and
+    drawn with it, its links under the prefix; the page is not at /leases."""
+    env = store_env("redis")
+    port = flower(cl_env(env), "--basic-auth=ops:s3cret", "--url_prefix=flower", prefix="/flower")
+    url = f"http://127.0.0.1:{port}/flower/leases"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=10)
+    assert refused.value.code == 401
+    login = "Basic " + base64.b64encode(b"ops:s3cret").decode()
+    request = urllib.request.Request(url, headers={"Authorization": login})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        page = reply.read().decode()
+    assert "No leases are held." in page
+    assert 'href="/flower/tasks"' in page and 'action="/flower/leases"' in page
+    bare = urllib.request.Request(
+        f"http://127.0.0.1:{port}/leases", headers={"Authorization": login}
+    )
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(bare, timeout=10)
+    assert missing.value.code == 404
 
 
 def test_flower_says_who_holds_who_waits_where_and_who_ended(
