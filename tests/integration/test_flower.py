@@ -43,6 +43,9 @@ def get(port: int, path: str) -> str:
 def reachable(port: int, path: str) -> str | None:
     try:
         return get(port, path)
+    except urllib.error.HTTPError as exc:
+        exc.close()  # (its socket, else a ResourceWarning fails a later test)
+        return None
     except OSError:
         return None
 
@@ -216,6 +219,7 @@ def test_the_leases_page_asks_for_flowers_login_under_its_url_prefix(it_app, sto
     url = f"http://127.0.0.1:{port}/flower/leases"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url, timeout=10)
+    refused.value.close()
     assert refused.value.code == 401
     login = "Basic " + base64.b64encode(b"ops:s3cret").decode()
     request = urllib.request.Request(url, headers={"Authorization": login})
@@ -228,6 +232,7 @@ def test_the_leases_page_asks_for_flowers_login_under_its_url_prefix(it_app, sto
     )
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(bare, timeout=10)
+    missing.value.close()
     assert missing.value.code == 404
 
 
