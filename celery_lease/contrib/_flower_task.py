@@ -8,11 +8,14 @@ lets either replace STARTED. So the state Flower keeps is the last copy's, not t
 lease store knows who holds the resource (the holder label ends in the holder's task id) and who
 waits in its list (by identity, the task id unless the task sets one), and a task's own record
 keeps the fence it ran with: those decide here, with Flower's state trusted only for the end of
-a task (SUCCESS, FAILURE, REVOKED), which no copy's event can replace.
+a task (SUCCESS, FAILURE, REVOKED). Celery's event state would let a later ``task-retried``
+replace even those, but no copy sends one after the end: a copy that comes later finds the
+identity done and ends as a duplicate, or is dropped as revoked.
 
-Store reads are cached per resource for :data:`CACHE_SECONDS`: Flower calls the hook once per
-task row, from its event loop, so a table of a hundred tasks on one resource costs one read of
-the lease and one of its wait list.
+Store reads are cached for :data:`CACHE_SECONDS`, each only when the verdict needs it: Flower
+calls the hook once per task row, from its event loop, so a table of a hundred tasks on one
+resource reads its lease once, its wait list once if a task there may wait, and one identity
+record per finished task.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ __all__ = ["CACHE_SECONDS", "Verdict", "clear_cache", "verdict"]
 
 #: Seconds a read of the store is reused.
 CACHE_SECONDS = 1.0
-#: States after which no copy of the task runs again (Celery never lets another state replace
-#: them): the only ones of Flower's states this module takes as fact.
+#: States after which no copy of the task claims again (see the module docstring): the only ones
+#: of Flower's states this module takes as fact.
 ENDED = frozenset(states.READY_STATES)
 #: Waiters named before the rest are counted.
 NAMED_AHEAD = 3
