@@ -266,7 +266,7 @@ class TestLeasesPage:
         rows, more = _flower_page.collect(store, prefix="pg/")
         assert [row.info.resource for row in rows] == ["pg/busy", "pg/held", "pg/gone"]
         assert [w.identity for w in rows[0].waiters] == ["w0", "w1"] and not more
-        names = {"tb": ("proj.charge", "STARTED"), "w1": ("proj.charge", "RETRY")}
+        names = {"tb": "proj.charge", "w1": "proj.charge"}
         page = _flower_page.render(
             rows,
             more,

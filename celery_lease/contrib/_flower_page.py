@@ -71,8 +71,8 @@ def collect(store: Any, *, prefix: str = "", limit: int = DEFAULT_LIMIT) -> tupl
     return rows, len(leases) > limit
 
 
-#: (task name, Flower's state) of a task id Flower knows, or None.
-TaskLookup = Callable[[str], "tuple[str, str] | None"]
+#: The name of a task id Flower knows ("" if it saw no name), or None.
+TaskLookup = Callable[[str], "str | None"]
 
 
 def render(
@@ -184,7 +184,7 @@ def _task_cell(task_id: str | None, label: str, task_of: TaskLookup, base: str) 
     known = task_of(task_id) if task_id else None
     if known is None or task_id is None:
         return f'<span class="font-monospace small lease-label">{e(label)}</span>'
-    name = known[0] or "task"
+    name = known or "task"
     link = f"{base}/task/{quote(task_id, safe='')}"
     return (
         f'<a class="lease-label" href="{e(link)}">{e(name)}</a><br>'
@@ -196,11 +196,9 @@ def flower_lookup(application: Any) -> TaskLookup:
     """Names of the tasks Flower has seen (its event state), for the page's links."""
     tasks = getattr(getattr(getattr(application, "events", None), "state", None), "tasks", None)
 
-    def lookup(task_id: str) -> tuple[str, str] | None:
+    def lookup(task_id: str) -> str | None:
         task = tasks.get(task_id) if tasks is not None else None
-        if task is None:
-            return None
-        return str(getattr(task, "name", None) or ""), str(getattr(task, "state", None) or "")
+        return None if task is None else str(getattr(task, "name", None) or "")
 
     return lookup
 
