@@ -59,7 +59,18 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("store factory", {"stores", "stores.urls"}),
     ("celery wiring", {"_app", "_wakes", "fencing"}),
     ("tasks", {"_task", "_sweeper", "_release"}),
-    ("entry points", {"", "cli", "testing", "contrib", "contrib.flower"}),
+    (
+        "entry points",
+        {
+            "",
+            "cli",
+            "testing",
+            "contrib",
+            "contrib.flower",
+            "contrib._flower_page",
+            "contrib._flower_task",
+        },
+    ),
 ]
 
 #: Backends never import one another: each is a room of its own.

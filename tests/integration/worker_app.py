@@ -314,6 +314,14 @@ def exclusive(self: Any, n: int, hold: float = 0.05) -> int:
     return lease.fence
 
 
+@lease_task(app=app, resource="gate-{n}", bind=True)
+def gated_hold(self: Any, n: int, go: str) -> int:
+    """Holds resource gate-<n> until the test sets the coordination key ``go`` (60 s at most);
+    returns its fence. Copies sent with the same task id and arguments wait for the same key."""
+    wait_for_key(go, timeout=60.0, poll=0.05)
+    return current_lease().fence
+
+
 @lease_task(app=app, resource="paused-{trial}", bind=True)
 def paused_writer(
     self: Any, trial: int, role: str, use_gate: bool = True, self_fence: bool = True
