@@ -1,9 +1,11 @@
 """Shared fixtures: real servers, stores over every backend, unique resource names.
 
-Servers: when ``CELERY_LEASE_TEST_REDIS_URL`` / ``CELERY_LEASE_TEST_POSTGRES_URL`` are set
-(``.ci/run`` starts the servers and sets them), the tests use those; otherwise the session starts
-its own on free loopback ports in temporary directories and stops them at the end. A missing
-server binary skips the tests that need it, except under ``CI=true`` where it fails them.
+Servers: when ``CELERY_LEASE_TEST_REDIS_URL`` / ``CELERY_LEASE_TEST_POSTGRES_URL`` /
+``CELERY_LEASE_TEST_RABBITMQ_DIR`` are set (``.ci/run`` starts the servers and sets them), the
+tests use those; otherwise the session starts its own on free loopback ports in temporary
+directories and stops them at the end (RabbitMQ, heavier: one node for all the run's pytest-xdist
+processes). A missing server binary skips the tests that need it, except under ``CI=true`` where
+it fails them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -73,6 +78,86 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         missing(str(exc))
     with server:
         yield server
+
+
+#: Where a pytest-xdist run's processes find the directory of the RabbitMQ node they share.
+SHARED_RABBITMQ = "celery_lease_rabbitmq"
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """A running RabbitMQ node (tests/tooling/rabbitmq.py: ``.url``, ``.ctl()``, vhosts): the
+    CI one from the environment, the one this run's pytest-xdist processes share (the first
+    that needs it starts it, the run's main process stops it), or one started here."""
+    from tests.tooling.rabbitmq import RabbitMQServer, shared_node
+
+    directory = os.environ.get("CELERY_LEASE_TEST_RABBITMQ_DIR")
+    if os.environ.get("CELERY_LEASE_TEST_AMQP_URL") and not directory:
+        missing("CELERY_LEASE_TEST_AMQP_URL needs CELERY_LEASE_TEST_RABBITMQ_DIR (rabbitmqctl)")
+    shared = getattr(request.config, "workerinput", {}).get(SHARED_RABBITMQ)
+    try:
+        if directory:
+            yield RabbitMQServer.attach(directory)
+            return
+        if shared:
+            server = shared_node(Path(shared))
+        else:
+            server = RabbitMQServer(tmp_path_factory.mktemp("rabbitmq")).start()
+    except FileNotFoundError as exc:
+        missing(str(exc))
+    except (RuntimeError, TimeoutError) as exc:  # (installed, but it would not start)
+        missing(f"RabbitMQ did not start: {exc}")
+    yield server
+    if not shared:
+        server.close()
+
+
+@pytest.fixture
+def amqp_vhost(rabbitmq_server: Any) -> Iterator[Any]:
+    """A fresh vhost on the session's RabbitMQ for one test (``.name``, ``.url``,
+    ``.queues()``: name -> durable, messages, consumers), deleted with everything in it at
+    the end: a test's queues, bindings and connections are its own."""
+    name = unique("v")
+    url = rabbitmq_server.add_vhost(name)
+    try:
+        yield SimpleNamespace(
+            name=name,
+            url=url,
+            server=rabbitmq_server,
+            queues=lambda: rabbitmq_server.list_queues(name),
+        )
+    finally:
+        rabbitmq_server.delete_vhost(name)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_SharedRabbitMQ(), "celery-lease-shared-rabbitmq")
+
+
+class _SharedRabbitMQ:
+    """In the main process of a pytest-xdist run: a directory of its own for the RabbitMQ node
+    the run's processes share (RabbitMQ is heavy: ~5 s of CPU and ~140 MB each), handed to
+    each process, and the node stopped once they have all ended. (Not under pytest's basetemp:
+    other runs on the machine may delete that one's parent while this run goes on.)"""
+
+    def __init__(self) -> None:
+        self.directory: Path | None = None
+
+    def pytest_configure_node(self, node: Any) -> None:
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix="celery-lease-rabbitmq-"))
+        node.workerinput[SHARED_RABBITMQ] = str(self.directory / "node")
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self.directory is None:
+            return
+        from tests.tooling.rabbitmq import stop_shared_node
+
+        stop_shared_node(self.directory / "node")  # (if a process started it)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,11 @@
 kombu's SQLAlchemy transport on SQLite as the broker, SQLite for results and for the leases, so
 it runs on a machine with no servers.
 
-``DEMO_BROKER_URL`` and ``DEMO_STORE_URL`` switch to real servers (``run.py --broker/--store``).
-The embedded broker is for development and single hosts: it does not redeliver the message of a
-worker that crashed (the demo re-sends it, as a redelivering broker would); Redis or RabbitMQ
-with ``task_acks_late`` redeliver it themselves.
+``DEMO_BROKER_URL`` and ``DEMO_STORE_URL`` switch to real servers (``run.py --broker/--store``:
+``redis://``, ``amqp://`` for RabbitMQ). The embedded broker is for development and single
+hosts: it does not redeliver the message of a worker that crashed (the demo re-sends it, as a
+redelivering broker would); Redis or RabbitMQ with ``task_acks_late`` redeliver it themselves
+(RabbitMQ at once, when the worker's connection closes: the demo then re-sends nothing).
 """
 
 from __future__ import annotations

@@ -214,6 +214,20 @@ def test_the_demo_on_redis_store_and_broker(redis_server):
     assert "lease store redis" in done.stdout
 
 
+@pytest.mark.rabbitmq
+def test_the_demo_on_a_rabbitmq_broker(amqp_vhost):
+    """The two scenarios with a crash and a pause on a real RabbitMQ broker (a fresh vhost on
+    the session's node): the crashed worker's message comes back from RabbitMQ itself, at
+    once (the demo re-sends nothing), and is run once by the lease's new owner."""
+    done = _run("example_project.run", "--broker", amqp_vhost.url, "--only", "worker ")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "all invariants held" in done.stdout
+    assert "broker amqp" in done.stdout
+    assert "(the message redelivered by RabbitMQ)" in done.stdout
+    assert _figure(done.stdout, "charges for invoice 17") == 1
+    assert _figure(done.stdout, "reconciliations") == 1
+
+
 @pytest.mark.postgres
 def test_the_demo_on_a_postgresql_store(postgres_server):
     """The two scenarios that take a lease over from a crashed or paused worker, on a real
@@ -344,6 +358,14 @@ class TestRunShInstalls:
             "--store=postgresql+psycopg://u@127.0.0.1/db",
         )
         assert len(installs) == 1 and installs[0].endswith("-e .[redis,postgres]"), installs
+
+    def test_an_amqp_broker_needs_no_extra(self, tmp_path):
+        """RabbitMQ's transport (py-amqp) comes with celery: a venv without it gets the
+        package, no extra; one with it, nothing."""
+        url = "amqp://guest:guest@127.0.0.1:5672//"
+        installs = self._run_sh(tmp_path, "amqp", "--broker", url)
+        assert len(installs) == 1 and installs[0].endswith("-e ."), installs
+        assert self._run_sh(tmp_path, "", f"--broker={url}") == []
 
     def test_nothing_is_installed_when_the_drivers_are_there(self, tmp_path):
         """The second run with the same flags, and the default run, install nothing."""

@@ -1,4 +1,5 @@
-"""Real Redis and PostgreSQL servers for the tests, on 127.0.0.1, in temporary directories.
+"""Real Redis and PostgreSQL servers for the tests, on 127.0.0.1, in temporary directories
+(RabbitMQ: tests/tooling/rabbitmq.py).
 
 Each server is started by the tooling, on a free non-default port, and stopped by PID by
 whoever started it. Usable as a library by ``.ci/run`` too::
@@ -30,13 +31,18 @@ __all__ = ["PostgresServer", "RedisServer", "free_port", "make_tls_files", "wait
 PG_BIN = Path(os.environ.get("CELERY_LEASE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
 
+#: Ports a system server listens on by default: PostgreSQL, Redis; RabbitMQ's AMQP (and TLS),
+#: epmd, Erlang distribution, management, and the range its rabbitmqctl calls listen in.
+DEFAULT_PORTS = frozenset({5432, 6379, 5671, 5672, 4369, 25672, 15672, *range(35672, 35683)})
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (not a server's default port)."""
     while True:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-        if port not in (5432, 6379):
+        if port not in DEFAULT_PORTS:
             return port
 
 
@@ -627,22 +633,29 @@ def _run_checked(cmd: list[str]) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    """``start DIR`` launches both servers and prints ``export`` lines; ``stop DIR`` stops."""
+    """``start DIR`` launches Redis, PostgreSQL and RabbitMQ (tests/tooling/rabbitmq.py) and
+    prints ``export`` lines; ``stop DIR`` stops them."""
     if len(argv) != 2 or argv[0] not in ("start", "stop"):
         print("usage: python -m tests.tooling.servers start|stop DIR", file=sys.stderr)
         return 2
     action, directory = argv
     base = Path(directory)
+    from tests.tooling.rabbitmq import RabbitMQServer, stop_shared_node
+
     if action == "start":
         base.mkdir(parents=True, exist_ok=True)
         redis_server = RedisServer(base / "redis", appendonly=True).start()
         assert redis_server.proc is not None
         (base / "redis.pid").write_text(str(redis_server.proc.pid))
         pg = PostgresServer(base / "pg").start()
+        rabbitmq = RabbitMQServer(base / "rabbitmq").start()
         print(f"export CELERY_LEASE_TEST_REDIS_URL={redis_server.url}")
         print(f"export CELERY_LEASE_TEST_POSTGRES_URL={pg.url}")
-        # keep redis running after we exit: detach from the Popen object
+        print(f"export CELERY_LEASE_TEST_AMQP_URL={rabbitmq.url}")
+        print(f"export CELERY_LEASE_TEST_RABBITMQ_DIR={rabbitmq.dir}")  # (for rabbitmqctl)
+        # keep redis and rabbitmq running after we exit: detach from the Popen objects
         redis_server.proc = None
+        rabbitmq.detach()
         return 0
     pid_file = base / "redis.pid"
     if pid_file.exists():
@@ -650,6 +663,7 @@ def _main(argv: list[str]) -> int:
         pid_file.unlink()
     if (base / "pg").exists():
         PostgresServer(base / "pg").stop("fast")
+    stop_shared_node(base / "rabbitmq")  # (by the PIDs its node.json records)
     return 0
 
 
