@@ -221,6 +221,8 @@ def compare(fast: Side, full: Side, plan: Any, periods: int, what: str) -> str |
             views = [fast.view(), full.view()]
             history.append(f"{period}: {kind}{args} -> {answers[0]}; list {views[0]}")
             if answers[0] != answers[1] or views[0] != views[1]:
+                if time.monotonic() - start - period * PERIOD >= 0.15:
+                    raise Overran(f"{what}: period {period}'s burst ran past 0.15 s")
                 return (
                     f"{what}, period {period}: {kind}{args}\n"
                     f"  fast: {answers[0]}, list {views[0]}\n"
