@@ -234,6 +234,12 @@ _pass_in_children: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _on_process_init(**_: Any) -> None:
+    # One pool process passes (the first; a replacement takes its index): every process would
+    # multiply the passes, and each holds a store connection of its own while it passes.
+    from billiard.process import current_process
+
+    if getattr(current_process(), "index", 0) not in (0, None):
+        return
     for app in list(_pass_in_children):
         _pass_over_waits(app)
 

@@ -10,13 +10,14 @@ dead worker) or the wake never left (its sender died after the release):
 * after each wake this process sends, a **turn check** once the wake's grace is over: the
   store's ``wake_due`` on that resource wakes the next waiter and sends the missed one's wake
   once more (the grace, not a ttl later);
-* every worker process that runs tasks makes a **pass** over its stores' wait lists every
-  renew interval (``wake_due`` on every list): wakes whose sender died, and waiters of a
-  holder that died, go out within about the grace plus one interval.
+* every worker makes a **pass** over its stores' wait lists every renew interval
+  (``wake_due`` on every list): wakes whose sender died, and waiters of a holder that died, go
+  out within about the grace plus one interval.
 
 One thread per process (:class:`Waker`) keeps both; a forked child makes its own. In a
-prefork worker the pass runs in the pool processes (started by ``worker_process_init``), never
-in the parent, which forks them (a thread there would be forked in the middle of its work).
+prefork worker the pass runs in the first pool process (started by ``worker_process_init``),
+never in the parent, which forks them (a thread there would be forked in the middle of its
+work).
 """
 
 from __future__ import annotations
