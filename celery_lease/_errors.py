@@ -90,6 +90,8 @@ class LeaseBusyError(LeaseError):
             contending for the resource. A duplicate is re-armed whatever ``on_busy`` says.
         position: the claimant's place (1 = next) in the resource's FIFO wait list when the
             refused claim joined it (``acquire(wait=...)``), else None.
+        polling: True when that place is a polling one (nobody will send the claimant's
+            message: its own back-off copy must come back to claim, see invariant 12).
         wake: set by the store (not part of ``args``): the wake payload of a head waiter that
             the claimant must send, because the resource is free but reserved for that waiter
             and nobody woke it (its releaser died).
@@ -104,8 +106,12 @@ class LeaseBusyError(LeaseError):
         expires_in: float | None = None,
         duplicate: bool = False,
         position: int | None = None,
+        polling: bool = False,
     ) -> None:
-        super().__init__(message, resource, holder_label, fence, expires_in, duplicate, position)
+        super().__init__(
+            message, resource, holder_label, fence, expires_in, duplicate, position, polling
+        )
+        self.polling = polling
         self.resource = resource
         self.holder_label = holder_label
         self.fence = fence
@@ -125,6 +131,7 @@ class LeaseBusyError(LeaseError):
         duplicate: bool = False,
         position: int | None = None,
         wake: str | None = None,
+        polling: bool = False,
     ) -> LeaseBusyError:
         """Build the error with a message that names the holder and when it expires."""
         if holder_label is None:
@@ -134,6 +141,8 @@ class LeaseBusyError(LeaseError):
             detail = f"by {holder_label!r} with fence {fence}, expiring in {when} unless renewed"
         if position:
             detail += f"; waiting at place {position} of its wait list"
+            if polling:
+                detail += " (polling: its own copy comes back to claim)"
         busy = cls(
             f"resource {resource!r} is held {detail}{BUSY_ADVICE}",
             resource,
@@ -142,6 +151,7 @@ class LeaseBusyError(LeaseError):
             expires_in,
             duplicate,
             position or None,
+            bool(position) and polling,
         )
         busy.wake = wake
         return busy

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-__all__ = ["REARM_GROWTH"]
+__all__ = ["POLL", "POLL_HOLD", "POLL_PLACES", "REARM_GROWTH"]
+
+#: The wake payload of a polling place: a waiter nobody sends a message to (it has no identity
+#: to deduplicate two copies of it, its message is over its task's bound, or the list had no
+#: room for it); its own back-off copy comes back to claim. Not JSON, so no task's message.
+POLL = "-"
+#: The free resource is held this many graces for a polling waiter whose turn came (it polls
+#: once a grace, so one of its polls lands while the resource is held for it).
+POLL_HOLD = 2
+#: A wait list holds at most this many times ``wait_cap`` places in all, polling ones included
+#: (a polling place costs a line, not a message).
+POLL_PLACES = 4
 
 #: How many bytes a re-armed waiter's new wake payload may outgrow the one it replaces
 #: whatever the list's bytes (invariant 12 of stores/base.py): its waits count gains a digit

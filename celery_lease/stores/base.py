@@ -42,12 +42,23 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     while the list's payloads stay within ``wait_bytes_cap``, or, when it is at most
     ``REARM_GROWTH`` bytes bigger, within ``wait_bytes_cap`` plus ``REARM_GROWTH`` per listed
     waiter; else the old one is kept).
-    A claim past either bound is refused unlisted (position None). A waiter's place lapses
+    A claim past those bounds gets a polling place (below), or past the polling bound too is
+    refused unlisted (position None). A waiter's place lapses
     ``wait_ttl`` seconds after its last refused claim. A claim naming its ``attempt`` (the
     task's retries) lists that attempt; a later refused claim naming an older attempt of the
     same identity (a copy sent before the retry) leaves the place as it is (not re-armed, its
     payload kept), and 13 does not count it as that waiter: it is held behind it and, when it
     claims, leaves the place listed. A place or claim without an attempt matches any attempt.
+    A place is named by the claim's ``identity``, or by its ``waiter=`` name when it has none
+    (no identity record is written then). A **polling place** has the wake payload ``POLL``:
+    nobody sends its task a message, its own back-off copy comes back to claim, and when its
+    turn comes the free resource is held for it ``POLL_HOLD`` graces (it polls once a grace).
+    A claim asking to wait with a message the list has no room for (``wait_cap`` places with
+    messages, or ``wait_bytes_cap`` bytes) gets a polling place instead, while the list holds
+    fewer than ``POLL_PLACES * wait_cap`` places in all; ``LeaseBusyError.polling`` says so. A
+    polling place re-armed with a message that fits the bytes bound takes it. A new place joins
+    behind every place whose ``since`` is not later than its own: the claim's ``since=`` (when
+    its message was published, ``order="publish"``; never later than now), else now.
 13. While the resource has no live lease it is held for the waiter woken less than
     ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
     woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a
@@ -103,12 +114,15 @@ from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
-from ._bounds import REARM_GROWTH
+from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
 
 __all__ = [
     "DEFAULT_MAX_TTL",
     "DEFAULT_RETENTION",
     "DEFAULT_WAKE_DUE_LIMIT",
+    "POLL",
+    "POLL_HOLD",
+    "POLL_PLACES",
     "REARM_GROWTH",
     "RECENT_EFFECTS",
     "BaseLeaseStore",
@@ -286,16 +300,20 @@ class LeaseStore(Protocol):
         wait: str | None = None,
         wait_ttl: float = 120.0,
         attempt: int | None = None,
+        waiter: str | None = None,
+        since: int | None = None,
     ) -> Lease:
         """Claim ``resource`` for ``owner`` for ``ttl`` seconds of store time, atomically.
 
-        With ``wait`` (a wake payload: the message to send again; needs ``identity``), a claim
-        refused for other work joins the resource's FIFO wait list, keeping its place for
-        ``wait_ttl`` seconds (invariants 12-14); ``LeaseBusyError.position`` tells where;
-        ``attempt`` (the task's retries) keeps a copy of an older attempt from taking over a
-        newer attempt's place (12). A
-        payload with a NUL character or a lone surrogate raises ``LeaseConfigError`` on every
-        store.
+        With ``wait`` (a wake payload: the message to send again, or ``POLL``; needs
+        ``identity`` or ``waiter``), a claim refused for other work joins the resource's FIFO
+        wait list, keeping its place for ``wait_ttl`` seconds (invariants 12-14);
+        ``LeaseBusyError.position`` tells where and ``.polling`` whether nobody will send its
+        message; ``attempt`` (the task's retries) keeps a copy of an older attempt from taking
+        over a newer attempt's place (12); ``waiter`` names the place of a claim without an
+        identity; ``since`` (microseconds since the epoch) places it by when it was published
+        rather than by when it arrived. A payload with a NUL character or a lone surrogate
+        raises ``LeaseConfigError`` on every store.
 
         Succeeds when the resource has no lease, a released one or an expired one. The returned
         fence is greater than any fence issued for this resource before. When the claim takes
@@ -663,11 +681,32 @@ class BaseLeaseStore:
             ) from None
 
     @staticmethod
+    def _waiter_args(identity: str | None, waiter: str | None, since: int | None) -> str | None:
+        """The name of the claim's place (its identity, else ``waiter``), ``since`` checked."""
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
+            raise LeaseConfigError(
+                f"since must be microseconds since the epoch (an int), got {show_value(since)}"
+            )
+        if waiter is None:
+            return identity
+        try:
+            validate_resource(waiter)
+        except LeaseConfigError:
+            raise LeaseConfigError(
+                f"invalid waiter name {show_value(waiter)}: it follows the resource-name "
+                f"rule ({IDENTITY_RULE})"
+            ) from None
+        return identity if identity is not None else waiter
+
+    @staticmethod
     def _wait_args(identity: str | None, wait: str | None, wait_ttl: float) -> str:
+        """``identity``: the place's name (the claim's identity or waiter name)."""
         if wait is None:
             return ""
         if identity is None:
-            raise LeaseConfigError("acquire(wait=...) needs identity= (the waiter's name)")
+            raise LeaseConfigError(
+                "acquire(wait=...) needs identity= or waiter= (the name of the waiter's place)"
+            )
         if not isinstance(wait, str) or not wait:
             raise LeaseConfigError(f"wait must be a non-empty string, got {show_value(wait)}")
         # Every store refuses the same payloads: PostgreSQL's JSON cannot hold U+0000, and

@@ -24,6 +24,9 @@ from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
     DEFAULT_WAKE_DUE_LIMIT,
+    POLL,
+    POLL_HOLD,
+    POLL_PLACES,
     RECENT_EFFECTS,
     BaseLeaseStore,
     DueWake,
@@ -64,11 +67,12 @@ class _Record:
         )
 
 
-def _wake(waiter: list[Any], until: int) -> None:
-    """Mark ``waiter`` woken until ``until`` (its place is kept as long); the free resource is
-    held for it until then (against the claims listed behind it). Once that passes unclaimed
-    the waiter keeps its place and is not woken again until a refused claim of its own re-arms
-    it (``_join``)."""
+def _wake(waiter: list[Any], now: int, grace: int) -> None:
+    """Mark ``waiter`` woken for ``grace`` us from ``now`` (a polling one: POLL_HOLD graces; its
+    place is kept as long); the free resource is held for it until then (against the claims
+    listed behind it). Once that passes unclaimed the waiter keeps its place and is not woken
+    again until a refused claim of its own re-arms it (``_join``)."""
+    until = now + grace * (POLL_HOLD if waiter[4] == POLL else 1)
     waiter[3] = until
     waiter[2] = max(waiter[2], until)
     waiter[6] = False
@@ -168,7 +172,10 @@ class MemoryLeaseStore(BaseLeaseStore):
         wait_ttl: float,
         now: int,
         attempt: int | None,
+        since: int | None = None,
     ) -> int:
+        """The claimant's place in the list (0: not listed), joining or re-arming it;
+        ``identity``: the place's name."""
         if not payload or identity is None:
             return 0
         waits = self._waits.setdefault(resource, [])
@@ -186,20 +193,26 @@ class MemoryLeaseStore(BaseLeaseStore):
                 waiter[2] = max(waiter[2], until)
                 waiter[3] = 0
                 waiter[6] = False
-                old = len(waiter[4].encode())
-                new = len(payload.encode())
+                old, new = _bytes(waiter[4]), _bytes(payload)
                 after = _payload_bytes(waits) - old + new
                 if rearm_fits(old, new, after, len(waits), self.wait_bytes_cap):
                     waiter[4] = payload
                     waiter[5] = attempt
                 return place
-        if (
-            len(waits) >= self.wait_cap
+        if payload != POLL and (
+            sum(w[4] != POLL for w in waits) >= self.wait_cap
             or _payload_bytes(waits) + len(payload.encode()) > self.wait_bytes_cap
         ):
+            payload = POLL  # no room for its message: a polling place
+        if len(waits) >= POLL_PLACES * self.wait_cap:
             return 0
-        waits.append([identity, now, until, 0, payload, attempt, False])
-        return len(waits)
+        # behind every place not listed later than it (its publish time, else now)
+        at = min(now, since) if since is not None else now
+        place = len(waits)
+        while place and waits[place - 1][1] > at:
+            place -= 1
+        waits.insert(place, [identity, at, until, 0, payload, attempt, False])
+        return place + 1
 
     def acquire(
         self,
@@ -211,10 +224,13 @@ class MemoryLeaseStore(BaseLeaseStore):
         wait: str | None = None,
         wait_ttl: float = 120.0,
         attempt: int | None = None,
+        waiter: str | None = None,
+        since: int | None = None,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
-        payload = self._wait_args(identity, wait, wait_ttl)
+        name = self._waiter_args(identity, waiter, since)  # (its place's name)
+        payload = self._wait_args(name, wait, wait_ttl)
         attempt = self._attempt_args(attempt)
         sent = monotonic()
         with self._lock:
@@ -229,15 +245,19 @@ class MemoryLeaseStore(BaseLeaseStore):
                     duplicate = (
                         ident is not None and ident[0] == "running" and ident[1] == current.fence
                     )
+                    position = (
+                        0
+                        if duplicate
+                        else self._join(resource, name, payload, wait_ttl, now, attempt, since)
+                    )
                     raise LeaseBusyError.held(
                         resource,
                         current.label,
                         current.fence,
                         (current.expires_us - now) / 1e6,
                         duplicate=duplicate,
-                        position=0
-                        if duplicate
-                        else self._join(resource, identity, payload, wait_ttl, now, attempt),
+                        position=position,
+                        polling=self._polling(resource, position),
                     )
                 # The same claim retried: the same lease and what the first attempt recovered.
                 record = current
@@ -253,15 +273,15 @@ class MemoryLeaseStore(BaseLeaseStore):
                 held = (
                     None
                     if self._slow.get(resource, 0) > now
-                    else _held(waits, identity, now, attempt)
+                    else _held(waits, name, now, attempt)
                 )
                 if held is not None:
                     # held for a waiter ahead of this claim (never woken, or woken within its
                     # grace): wait behind it
-                    position = self._join(resource, identity, payload, wait_ttl, now, attempt)
+                    position = self._join(resource, name, payload, wait_ttl, now, attempt, since)
                     wake = None
                     if held[3] == 0:  # nobody woke it (the releaser died?): wake it now
-                        _wake(held, now + round(self.handoff_grace * 1e6))
+                        _wake(held, now, round(self.handoff_grace * 1e6))
                         wake = held[4]
                     raise LeaseBusyError.held(
                         resource,
@@ -270,14 +290,15 @@ class MemoryLeaseStore(BaseLeaseStore):
                         (held[3] - now) / 1e6,
                         position=position,
                         wake=wake,
+                        polling=self._polling(resource, position),
                     )
                 # The waiter held for claims, or a waiter ahead of it that missed its grace
                 # (an earlier arrival); or a wake missed its grace lately (woken copies wait
                 # behind a backlog, or their workers are paused) and nothing is held: this
                 # claim takes the resource rather than leaving it idle. A waiter that claims
                 # leaves the list (a copy of an older attempt leaves the newer one's place).
-                for place, waiter in enumerate(waits):
-                    if waiter[0] == identity and not _older(waiter, attempt):
+                for place, entry in enumerate(waits):
+                    if entry[0] == name and not _older(entry, attempt):
                         del waits[place]
                         if not waits:
                             del self._waits[resource]
@@ -326,6 +347,11 @@ class MemoryLeaseStore(BaseLeaseStore):
             identity_owner_label=label if state is not None else None,
             identity_fence=ident_fence if state is not None else None,
         )
+
+    def _polling(self, resource: str, position: int) -> bool:
+        """Whether the place at ``position`` (1-based; 0: none) is a polling one."""
+        waits = self._waits.get(resource, ())
+        return 0 < position <= len(waits) and waits[position - 1][4] == POLL
 
     def _index(self, expires_us: int, table: int, key: Any) -> None:
         """Note a record's new expiry in the retention index (under the lock)."""
@@ -442,7 +468,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             if not any(w[3] > now for w in waits):
                 woke = next((w for w in waits if w[3] == 0), None)
                 if woke is not None:
-                    _wake(woke, now + round(self.handoff_grace * 1e6))
+                    _wake(woke, now, round(self.handoff_grace * 1e6))
                     lease.handoff = woke[4]
             return True
 
@@ -474,7 +500,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                         out.append(DueWake(resource, waiter[4], True))
                 woke = next((w for w in waits if w[3] == 0), None)
                 if woke is not None:
-                    _wake(woke, now + round(self.handoff_grace * 1e6))
+                    _wake(woke, now, round(self.handoff_grace * 1e6))
                     out.append(DueWake(resource, woke[4], False))
         return out
 
@@ -636,6 +662,11 @@ class MemoryLeaseStore(BaseLeaseStore):
         """Nothing to close."""
 
 
+def _bytes(payload: str) -> int:
+    """A wake payload's bytes (UTF-8) as the bound counts them: none for a polling place."""
+    return 0 if payload == POLL else len(payload.encode())
+
+
 def _payload_bytes(waits: builtins.list[builtins.list[Any]]) -> int:
     """The bytes (UTF-8) of the wake payloads in a wait list (bounded by wait_bytes_cap)."""
-    return sum(len(w[4].encode()) for w in waits)
+    return sum(_bytes(w[4]) for w in waits)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from celery_lease import LeaseBusyError, LeaseConfigError, LeaseStoreError, Owner
 from celery_lease.stores import store_from_url
-from celery_lease.stores.base import REARM_GROWTH
+from celery_lease.stores.base import POLL, REARM_GROWTH
 from celery_lease.stores.sql.waits import load
 from tests.conftest import make_store, unique
 from tests.tooling.servers import RedisServer, wait_for
@@ -153,13 +153,18 @@ class TestWaitList:
         assert refused(wstore, r, "a", wait=False).position is None
         assert wstore.waiters(r) == []
 
-    def test_the_cap_bounds_the_list(self, wstore, names):
-        """Past wait_cap, a refused claim is not queued (position None) and nothing is dropped."""
+    def test_past_the_cap_a_claim_gets_a_polling_place_then_none(self, wstore, names):
+        """Past wait_cap places with messages, a refused claim gets a polling place (its own
+        copy comes back; it keeps its turn in the line); past POLL_PLACES times the cap, none
+        (position None); nothing is dropped. Before (issue 32, item 2): past the cap it was
+        not listed at all, and listed later arrivals overtook it for as long as they came."""
         wstore.wait_cap = 2
         r = names + "r"
         claim(wstore, r, "holder")
-        assert [refused(wstore, r, w).position for w in ("a", "b", "c")] == [1, 2, None]
-        assert [w.identity for w in wstore.waiters(r)] == ["a", "b"]
+        busy = [refused(wstore, r, w) for w in "abcdefghi"]
+        assert [b.position for b in busy] == [1, 2, 3, 4, 5, 6, 7, 8, None]
+        assert [b.polling for b in busy] == [False, False, *[True] * 6, False]
+        assert [w.identity for w in wstore.waiters(r)] == list("abcdefgh")
 
     def test_the_bytes_cap_bounds_the_payloads_a_list_holds(self, wstore, names):
         """A refused claim whose payload would take the list's payloads past wait_bytes_cap is
@@ -170,13 +175,15 @@ class TestWaitList:
         wstore.wait_bytes_cap = 20  # "payload-a" is 9 bytes: two fit, a third does not
         r = names + "r"
         lease = claim(wstore, r, "holder")
-        assert [refused(wstore, r, w).position for w in ("a", "b", "c")] == [1, 2, None]
+        busy = [refused(wstore, r, w) for w in ("a", "b", "c")]
+        assert [(b.position, b.polling) for b in busy] == [(1, False), (2, False), (3, True)]
         assert refused(wstore, r, "a").position == 1  # re-armed, not dropped
-        assert [w.identity for w in wstore.waiters(r)] == ["a", "b"]
+        assert [w.identity for w in wstore.waiters(r)] == ["a", "b", "c"]
         wstore.release(lease)
         assert lease.handoff == "payload-a"
-        claim(wstore, r, "a")  # a leaves the list: room for c
-        assert refused(wstore, r, "c").position == 2
+        claim(wstore, r, "a")  # a leaves the list: room for c's message
+        busy = refused(wstore, r, "c")  # (its own copy came back: it takes its message)
+        assert (busy.position, busy.polling) == (2, False)
         assert [w.identity for w in wstore.waiters(r)] == ["b", "c"]
 
     def test_a_re_arm_keeps_the_list_within_the_bytes_cap(self, bstore, names):
@@ -244,11 +251,11 @@ class TestWaitList:
         claim(wstore, r, "holder")
         with pytest.raises(LeaseBusyError) as too_big:  # 6 characters, 12 bytes
             wstore.acquire(r, Owner.new("x"), LONG, identity="x", wait="\u00e9" * 6)
-        assert too_big.value.position is None
+        assert (too_big.value.position, too_big.value.polling) == (1, True)
         with pytest.raises(LeaseBusyError) as fits:  # 5 characters, 10 bytes
             wstore.acquire(r, Owner.new("y"), LONG, identity="y", wait="\u00e9" * 5)
-        assert fits.value.position == 1
-        assert [w.identity for w in wstore.waiters(r)] == ["y"]
+        assert (fits.value.position, fits.value.polling) == (2, False)
+        assert [w.identity for w in wstore.waiters(r)] == ["x", "y"]
 
     def test_what_a_full_list_keeps_is_bounded_by_its_bytes(self, wstore, names):
         """Waiters with 2 kB payloads fill the default budget (128 KiB) long before the
@@ -263,7 +270,7 @@ class TestWaitList:
                 wstore.acquire(r, Owner.new(f"w{k}"), LONG, identity=f"w{k}", wait=payload)
             positions.append(busy.value.position)
         listed = wstore.wait_bytes_cap // len(payload)
-        assert positions == list(range(1, listed + 1)) + [None] * (80 - listed)
+        assert positions == list(range(1, 81))  # the rest poll: their messages are not kept
         payloads, kept = _kept_bytes(wstore, r)
         assert payloads <= wstore.wait_bytes_cap
         assert kept <= wstore.wait_bytes_cap + 100 * listed
@@ -278,8 +285,8 @@ class TestWaitList:
         for k in range(80):
             with pytest.raises(LeaseBusyError):
                 wstore.acquire(r, Owner.new(f"w{k}"), LONG, identity=f"w{k}", wait=payload)
-        listed = len(wstore.waiters(r))
-        assert listed == wstore.wait_bytes_cap // 2000
+        listed = wstore.wait_bytes_cap // 2000
+        assert len(wstore.waiters(r)) == 80  # the rest poll: their messages are not kept
         payloads, kept = _kept_bytes(wstore, r)
         assert payloads <= wstore.wait_bytes_cap
         assert kept <= wstore.wait_bytes_cap + 100 * listed
@@ -622,7 +629,7 @@ def _kept_bytes(store, resource):
     """(bytes of the listed payloads, bytes the store keeps for the list) of ``resource``."""
     if hasattr(store, "_waits"):  # memory
         kept = store._waits.get(resource, ())
-        total = sum(len(w[4].encode()) for w in kept)
+        total = sum(len(w[4].encode()) for w in kept if w[4] != POLL)
         return total, total
     if hasattr(store, "engine"):  # SQL: the JSON column of the lease row
         with store.engine.connect() as conn:
@@ -631,10 +638,12 @@ def _kept_bytes(store, resource):
                     store.leases_table.c.resource == resource
                 )
             ).scalar()
-        return sum(len(str(w[4]).encode()) for w in load(raw)), len(raw.encode())
+        return sum(len(str(w[4]).encode()) for w in load(raw) if w[4] != POLL), len(raw.encode())
     waits, wpay = store._keys(store.shard_of(resource), "waits", "wpay")
     fields = [k for k in store.client.hkeys(wpay) if k.decode().startswith(resource + "|")]
-    total = sum(store.client.hstrlen(wpay, k) for k in fields)
+    total = sum(
+        store.client.hstrlen(wpay, k) for k in fields if store.client.hget(wpay, k) != POLL.encode()
+    )
     return total, total + len(store.client.hget(waits, resource) or b"")
 
 
@@ -649,18 +658,18 @@ class TestFullListWrites:
         PostgreSQL). Negative control: a listed waiter refused again (re-armed) is written."""
         store = make_store(kind, request, tmp_path)
         try:
-            store.wait_cap = 2
+            store.wait_cap = 1  # one place with a message, POLL_PLACES places in all
             r = names + "r"
             claim(store, r, "holder")
-            refused(store, r, "a")
-            refused(store, r, "b")
+            for w in ("a", "b", "c", "d"):
+                refused(store, r, w)
             with _row_writes(store, r) as writes:
                 for k in range(3):
                     assert refused(store, r, f"late{k}").position is None
                 assert writes() == 0
                 assert refused(store, r, "a").position == 1  # re-armed: written
                 assert writes() == 1
-            assert [w.identity for w in store.waiters(r)] == ["a", "b"]
+            assert [w.identity for w in store.waiters(r)] == ["a", "b", "c", "d"]
         finally:
             store.close()
 
@@ -1277,9 +1286,7 @@ class TestWakeDue:
         assert [(d.resource, d.payload, d.again) for d in mine] == [(free, "payload-w2", False)]
         assert astore.waiters(gone) == []
 
-    def test_a_waiter_re_armed_after_its_wake_was_sent_again_may_be_sent_again(
-        self, astore, names
-    ):
+    def test_a_waiter_re_armed_after_its_wake_was_sent_again_may_be_sent_again(self, astore, names):
         astore.handoff_grace = 0.2
         r = names + "r"
         lease = claim(astore, r, "holder")
@@ -1363,3 +1370,92 @@ class TestForceReleaseOfTheLeaseShown:
     def test_a_bad_fence_is_refused(self, astore, names):
         with pytest.raises(LeaseConfigError, match="fence"):
             astore.force_release(names + "r", fence="7")
+
+
+class TestEveryWaiterInOneLine:
+    """Invariant 12: polling places (no message to send), waiters named without an identity,
+    and places ordered by when their messages were published (issue 32 item 2, issue 33
+    item 6)."""
+
+    def test_a_waiter_without_identity_polls_in_its_place(self, astore, names):
+        """A claim with no identity (identity=False) waits in a polling place named by its
+        waiter name: no identity record is written, the release holds the free resource for it
+        POLL_HOLD graces (it polls once a grace), and its claim takes it and leaves the list."""
+        astore.handoff_grace = 0.5
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        with pytest.raises(LeaseBusyError) as busy:
+            astore.acquire(r, Owner.new("t-1"), LONG, waiter="t-1", wait=POLL, wait_ttl=60)
+        assert (busy.value.position, busy.value.polling) == (1, True)
+        refused(astore, r, "b")
+        assert astore.identity_get(r, "t-1") is None
+        astore.release(lease)
+        assert lease.handoff == POLL  # nothing to send: it comes back by itself
+        time.sleep(0.6)  # past one grace: still held for the polling waiter
+        assert "hand-off" in str(refused(astore, r, "newcomer"))
+        taken = astore.acquire(r, Owner.new("t-1"), LONG, waiter="t-1", wait=POLL, wait_ttl=60)
+        assert taken.identity is None
+        assert [w.identity for w in astore.waiters(r)] == ["b", "newcomer"]
+
+    def test_a_polling_head_is_held_for_no_longer_than_its_hold(self, astore, names):
+        astore.handoff_grace = 0.2
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        with pytest.raises(LeaseBusyError):
+            astore.acquire(r, Owner.new("p"), LONG, identity="p", wait=POLL, wait_ttl=60)
+        astore.release(lease)
+        wait_for(lambda: not astore.waiters(r)[0].woken, 5, "the polling head's hold")
+        claim(astore, r, "late")  # (a wake missed lately: nothing is held)
+
+    def test_places_keep_the_order_their_messages_were_published_in(self, astore, names):
+        """A claim that names when its message was published joins behind every place not
+        published later: three steps refused out of order run in order. A claim without it
+        joins at the back (now); a time ahead of the store's clock counts as now."""
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        base = int(time.time() * 1e6) - 10_000_000
+        for who, at in (("s3", base + 3), ("s1", base + 1), ("s2", base + 2)):
+            with pytest.raises(LeaseBusyError) as busy:
+                astore.acquire(
+                    r, Owner.new(who), LONG, identity=who, wait=f"payload-{who}", since=at
+                )
+            assert not busy.value.polling
+        assert [w.identity for w in astore.waiters(r)] == ["s1", "s2", "s3"]
+        refused(astore, r, "plain")  # no publish time: at the back
+        with pytest.raises(LeaseBusyError) as busy:  # a clock ahead of the store's: now
+            astore.acquire(
+                r, Owner.new("ahead"), LONG, identity="ahead", wait="payload-ahead",
+                since=base + 10**12,
+            )  # fmt: skip
+        assert busy.value.position == 5
+        with pytest.raises(LeaseBusyError) as busy:
+            astore.acquire(r, Owner.new("s0"), LONG, identity="s0", wait="payload-s0", since=base)
+        assert busy.value.position == 1
+        order = []
+        for _ in range(6):
+            astore.release(lease)
+            who = lease.handoff.removeprefix("payload-")
+            order.append(who)
+            lease = claim(astore, r, who)
+        assert order == ["s0", "s1", "s2", "s3", "plain", "ahead"]
+
+    def test_a_polling_place_re_armed_with_a_message_that_fits_takes_it(self, astore, names):
+        astore.wait_cap = 1
+        r = names + "r"
+        lease = claim(astore, r, "holder")
+        refused(astore, r, "a")
+        assert refused(astore, r, "b").polling  # no room for b's message
+        astore.release(lease)
+        lease = claim(astore, r, "a")  # a's message leaves the list: room for b's
+        busy = refused(astore, r, "b")
+        assert (busy.position, busy.polling) == (1, False)
+        astore.release(lease)
+        assert lease.handoff == "payload-b"
+
+    def test_bad_waiter_names_and_publish_times_are_refused(self, astore, names):
+        with pytest.raises(LeaseConfigError, match="waiter name"):
+            astore.acquire(names + "r", Owner.new("x"), LONG, waiter="bad name", wait=POLL)
+        with pytest.raises(LeaseConfigError, match="since"):
+            astore.acquire(names + "r", Owner.new("x"), LONG, identity="x", wait=POLL, since=1.5)
+        with pytest.raises(LeaseConfigError, match="waiter="):
+            astore.acquire(names + "r", Owner.new("x"), LONG, wait=POLL)

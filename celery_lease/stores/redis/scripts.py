@@ -52,7 +52,7 @@ as long as the server clock does not step back.
 
 from __future__ import annotations
 
-from .._bounds import REARM_GROWTH
+from .._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
 
 # Lua building blocks; each script includes only what it uses (every line costs server time).
 _NOW = """
@@ -98,7 +98,11 @@ local function trim(index, now, hash1, hash2)
 end
 """
 _PRELUDE = _NOW + _PARSE + _IDENT
-_WAITS = """
+_WAITS = (
+    f"""
+local POLL, POLL_HOLD, POLL_PLACES = '{POLL}', {POLL_HOLD}, {POLL_PLACES}
+"""
+    + """
 -- the resource's wait list, expired waiters (and their payloads) dropped; returns list, dirty.
 -- list.slow: until when (us) nothing is held for a woken head, because a wake missed its grace
 -- lately (a woken waiter did not claim in time: its message waits behind a backlog, or its
@@ -153,12 +157,23 @@ end
 -- is held for it until then (against the claims listed behind it). Once that passes unclaimed,
 -- the waiter keeps its place and is not woken again until a refused claim of its own re-arms
 -- it (join()).
+-- how long a woken waiter with this payload is held for: POLL_HOLD graces for a polling one
+local function held_for(payload, grace)
+  if payload == POLL then return POLL_HOLD * tonumber(grace) end
+  return tonumber(grace)
+end
+-- a wake payload's bytes as the bounds count them: none for a polling place's
+local function msg_len(payload)
+  if payload == POLL or not payload then return 0 end
+  return #payload
+end
 local function wl_wake(w, until_)
   w[4] = fmt(until_)
   if until_ > tonumber(w[3]) then w[3] = w[4] end
   w[6] = ''
 end
 """
+)
 
 
 def _release_tail(
@@ -190,7 +205,6 @@ if tonumber(waiting[3] or '0') <= now then
   -- reading and rewriting every line; the full path below would change no other line (the
   -- expired lines are dropped, and the missed wakes behind it counted, by the next full load).
   local slow = tonumber(waiting[2] or '0')
-  local until_ = now + tonumber(ARGV[{grace}])
   local function keep_slow()  -- the missed wakes read on the way, when they hold longer
     if slow > tonumber(waiting[2] or '0') then
       redis.call('HSET', KEYS[{waits}], '!' .. ARGV[1], fmt(slow))
@@ -200,6 +214,8 @@ if tonumber(waiting[3] or '0') <= now then
       waiting[1], '()([^ \\n]+) (%d+) (%d+) (%d+)()') do
     local woken = tonumber(w)
     if tonumber(e) > now and woken == 0 then
+      local payload = redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. id)
+      local until_ = now + held_for(payload, ARGV[{grace}])
       local last = tonumber(e)
       if until_ > last then last = until_ end
       redis.call('HSET', KEYS[{waits}], ARGV[1],
@@ -210,7 +226,7 @@ if tonumber(waiting[3] or '0') <= now then
         redis.call('ZADD', KEYS[{waits + 2}], last, ARGV[1])
       end
       keep_slow()
-      return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. id), id}}
+      return {{1, payload, id}}
     end
     if woken ~= 0 and woken + hold > slow then slow = woken + hold end  -- (woken <= now)
   end
@@ -231,10 +247,11 @@ if not woke then
   if dirty then wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl) end
   return 1
 end
-wl_wake(woke, now + tonumber(ARGV[{grace}]))
+local payload = redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. woke[1])
+wl_wake(woke, now + held_for(payload, ARGV[{grace}]))
 wl_save(KEYS[{waits}], KEYS[{waits + 2}], ARGV[1], wl)
 redis.call('HSET', KEYS[{waits}], '!!' .. ARGV[1], woke[4])
-return {{1, redis.call('HGET', KEYS[{wpay}], ARGV[1] .. '|' .. woke[1]), woke[1]}}
+return {{1, payload, woke[1]}}
 """
 
 
@@ -254,6 +271,8 @@ ACQUIRE = (
 -- wake now (the first never woken, none while a wake is in flight), or ''
 -- ARGV[14] '1' to also get back the wake payload this claimant's own place held when the
 -- claim took it off the list (its waits count may be newer than this copy's), or ''
+-- ARGV[15] the name of the claimant's place when it has no identity ('': its identity)
+-- ARGV[16] when its message was published (us), to be placed by it, or '' (placed by now)
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
@@ -261,7 +280,7 @@ ACQUIRE = (
 --          identity_state|nil, identity_fence|nil, identity_label|nil, checkpoints|nil,
 --          next wake payload|nil, own wake payload|nil}
 --      or {0, holder_label, holder_fence, holder_expires_us, now_us, epoch, duplicate,
---          position, wake payload|nil}
+--          position, wake payload|false, polling (1: its place is a polling one, else 0)}
 --         (duplicate 1 when the holder runs this same identity, else 0; position in the wait
 --         list, 0 when not queued; the payload of a head waiter to wake, when the resource is
 --         free but reserved for a head nobody woke within the grace window)
@@ -273,6 +292,9 @@ ACQUIRE = (
     + _WAITS
     + """
 local member, ident, ist, ifence, ilabel = false, false, false, false, false
+-- the claimant's place: named by its identity, or by its waiter name
+local pname = ARGV[15] ~= '' and ARGV[15] or (ARGV[5] ~= '' and ARGV[5] or false)
+local pmember = pname and (ARGV[1] .. '|' .. pname)
 if ARGV[5] ~= '' then
 """
     + _IDENT
@@ -315,7 +337,7 @@ local function in_flight_gone() redis.call('HDEL', KEYS[7], '!!' .. ARGV[1]) end
 local rest = nil
 local ownp = false
 local hold = 10 * tonumber(ARGV[10])  -- a missed wake stops holding woken heads this long
-if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' ' then
+if pname and wgot[1] and string.sub(wgot[1], 1, #pname + 1) == pname .. ' ' then
   local free = true
   if cur then  -- (a lease run out is free, its own claim sent again too)
     local _, _, _, e = parse(cur)
@@ -350,8 +372,8 @@ if member and wgot[1] and string.sub(wgot[1], 1, #ARGV[5] + 1) == ARGV[5] .. ' '
       end
       if woken > now then in_flight_gone() end
     end
-    if ARGV[14] == '1' then ownp = redis.call('HGET', KEYS[8], member) end
-    redis.call('HDEL', KEYS[8], member)
+    if ARGV[14] == '1' then ownp = redis.call('HGET', KEYS[8], pmember) end
+    redis.call('HDEL', KEYS[8], pmember)
   end
 end
 local wl, dirty = {slow = 0}, false
@@ -361,12 +383,16 @@ if not rest then wl, dirty = wl_load(KEYS[7], KEYS[8], ARGV[1], now, hold, wgot)
 local function older(w)
   return ARGV[12] ~= '' and w[5] ~= '' and tonumber(ARGV[12]) < tonumber(w[5])
 end
+local polling = 0  -- 1: the claimant's place is a polling one (nobody sends its message)
 local function join()  -- this claimant's place in the wait list (0: not queued)
-  if ARGV[7] == '' or not member then return 0 end
+  if ARGV[7] == '' or not pname then return 0 end
   local until_ = fmt(now + tonumber(ARGV[8]))
   for k, w in ipairs(wl) do
-    if w[1] == ARGV[5] and older(w) then return k end  -- the newer attempt keeps its wake
-    if w[1] == ARGV[5] then  -- already waiting: keep the place, refresh it, and re-arm it
+    if w[1] == pname and older(w) then  -- the newer attempt keeps its wake
+      if redis.call('HGET', KEYS[8], pmember) == POLL then polling = 1 end
+      return k
+    end
+    if w[1] == pname then  -- already waiting: keep the place, refresh it, and re-arm it
       -- (refused again: a woken copy too late or beaten to it, or a back-stop copy), so the
       -- next release wakes it again
       if tonumber(until_) > tonumber(w[3]) then w[3] = until_ end
@@ -376,12 +402,16 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
       -- its new payload replaces the old one within the bytes bound (base.rearm_fits: the
       -- cap, plus REARM_GROWTH per waiter for a payload that grew that much at most; else the
       -- old, valid one is kept)
-      local grew = #ARGV[7] - redis.call('HSTRLEN', KEYS[8], member)
+      local had = redis.call('HSTRLEN', KEYS[8], pmember)
+      if had == #POLL then had = msg_len(redis.call('HGET', KEYS[8], pmember)) end
+      local grew = msg_len(ARGV[7]) - had
       local fits = grew <= 0
       if not fits then
         local bytes, cap = grew, tonumber(ARGV[11])
         for _, v in ipairs(wl) do
-          bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. v[1])
+          local n = redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. v[1])
+          if n == #POLL then n = msg_len(redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. v[1])) end
+          bytes = bytes + n
         end
         if grew <= """
     + str(REARM_GROWTH)
@@ -391,23 +421,39 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
         fits = bytes <= cap
       end
       if fits then
-        redis.call('HSET', KEYS[8], member, ARGV[7])
+        redis.call('HSET', KEYS[8], pmember, ARGV[7])
         w[5] = ARGV[12]
       end
+      if redis.call('HGET', KEYS[8], pmember) == POLL then polling = 1 end
       dirty = true
       return k
     end
   end
-  if #wl >= tonumber(ARGV[9]) then return 0 end
-  local bytes = #ARGV[7]
-  for _, w in ipairs(wl) do
-    bytes = bytes + redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. w[1])
+  -- a new place: with its message while the list has room for it, else a polling place
+  local cap = tonumber(ARGV[9])
+  if #wl >= POLL_PLACES * cap then return 0 end
+  local payload = ARGV[7]
+  if payload ~= POLL then
+    local bytes, messages = #payload, #wl
+    for _, w in ipairs(wl) do
+      local n = redis.call('HSTRLEN', KEYS[8], ARGV[1] .. '|' .. w[1])
+      if n == #POLL and redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. w[1]) == POLL then
+        messages, n = messages - 1, 0
+      end
+      bytes = bytes + n
+    end
+    if messages >= cap or bytes > tonumber(ARGV[11]) then payload = POLL end
   end
-  if bytes > tonumber(ARGV[11]) then return 0 end
-  wl[#wl + 1] = {ARGV[5], fmt(now), until_, '0', ARGV[12], ''}
-  redis.call('HSET', KEYS[8], member, ARGV[7])
+  if payload == POLL then polling = 1 end
+  -- behind every place not listed later than it (its publish time, else now)
+  local at = now
+  if ARGV[16] ~= '' and tonumber(ARGV[16]) < now then at = tonumber(ARGV[16]) end
+  local pos = #wl + 1
+  while pos > 1 and tonumber(wl[pos - 1][2]) > at do pos = pos - 1 end
+  table.insert(wl, pos, {pname, fmt(at), until_, '0', ARGV[12], ''})
+  redis.call('HSET', KEYS[8], pmember, payload)
   dirty = true
-  return #wl
+  return pos
 end
 local live, mine = false, false
 if cur then
@@ -420,7 +466,7 @@ if cur then
     local pos = 0
     if dup == 0 then pos = join() end
     if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
-    return {0, parse_label(cur), tonumber(f), tonumber(e), now, epoch, dup, pos}
+    return {0, parse_label(cur), tonumber(f), tonumber(e), now, epoch, dup, pos, false, polling}
   end
 end
 -- (a claim sent again while its lease is live gets that lease back, below; once the lease ran
@@ -441,7 +487,7 @@ if #wl > 0 and not mine then
       if woken == 0 and not pick then pick = w end
     end
     for _, w in ipairs(wl) do
-      if w[1] == ARGV[5] and not older(w) then break end
+      if w[1] == pname and not older(w) then break end
       if w == pick then
         held = w
         break
@@ -453,14 +499,14 @@ if #wl > 0 and not mine then
     local pos = join()
     local wake = false
     if tonumber(held[4]) == 0 then  -- nobody woke it (the releaser died?): wake it now
-      wl_wake(held, now + tonumber(ARGV[10]))
-      redis.call('HSET', KEYS[7], '!!' .. ARGV[1], held[4])
       wake = redis.call('HGET', KEYS[8], ARGV[1] .. '|' .. held[1])
+      wl_wake(held, now + held_for(wake, ARGV[10]))
+      redis.call('HSET', KEYS[7], '!!' .. ARGV[1], held[4])
       dirty = true
     end
     if dirty then wl_save(KEYS[7], KEYS[9], ARGV[1], wl) end
     return {0, 'the waiting task ' .. held[1] .. ' (hand-off)', tonumber(got[1] or '0'),
-      tonumber(held[4]), now, epoch, 0, pos, wake}
+      tonumber(held[4]), now, epoch, 0, pos, wake, polling}
   end
   -- the waiter held for claims, or a waiter ahead of it that missed its grace (an earlier
   -- arrival); or a wake missed its grace lately (woken copies wait behind a backlog, or their
@@ -468,11 +514,11 @@ if #wl > 0 and not mine then
   -- leaving it idle. A waiter that claims leaves the list (a copy of an older attempt leaves
   -- the newer attempt's place listed).
   for k, w in ipairs(wl) do
-    if w[1] == ARGV[5] and not older(w) then
+    if w[1] == pname and not older(w) then
       if tonumber(w[4]) > now then in_flight_gone() end
       table.remove(wl, k)
-      if ARGV[14] == '1' then ownp = redis.call('HGET', KEYS[8], member) end
-      redis.call('HDEL', KEYS[8], member)
+      if ARGV[14] == '1' then ownp = redis.call('HGET', KEYS[8], pmember) end
+      redis.call('HDEL', KEYS[8], pmember)
       dirty = true
       break
     end
@@ -732,7 +778,7 @@ local function pass(leases, waits, wpay, wexp, res)
   end
   for _, w in ipairs(wl) do
     if tonumber(w[4]) == 0 then
-      wl_wake(w, now + grace)
+      wl_wake(w, now + held_for(redis.call('HGET', wpay, res .. '|' .. w[1]), grace))
       woke = w
       dirty = true
       break

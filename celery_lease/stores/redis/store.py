@@ -244,12 +244,15 @@ class RedisLeaseStore(BaseLeaseStore):
         wait: str | None = None,
         wait_ttl: float = 120.0,
         attempt: int | None = None,
+        waiter: str | None = None,
+        since: int | None = None,
         early_wake: bool = False,
         own_wake: bool = False,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
-        payload = self._wait_args(identity, wait, wait_ttl)
+        name = self._waiter_args(identity, waiter, since)  # (its place's name)
+        payload = self._wait_args(name, wait, wait_ttl)
         attempt = self._attempt_args(attempt)
         shard = self.shard_of(resource)
         keys = self._acquire_keys[shard]
@@ -268,6 +271,8 @@ class RedisLeaseStore(BaseLeaseStore):
             "" if attempt is None else attempt,
             "1" if early_wake else "",
             "1" if own_wake else "",
+            name if name is not None and name != identity else "",
+            "" if since is None else since,
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):
@@ -279,7 +284,7 @@ class RedisLeaseStore(BaseLeaseStore):
             raise IdentityDoneError.completed(resource, identity, int(reply[1]), result, label)
         if reply[0] == 0:
             _, label, fence, expires, now, epoch, *more = reply
-            more += [0, 0, None][len(more) :]
+            more += [0, 0, None, 0][len(more) :]
             self._note_epoch(shard, epoch)
             raise LeaseBusyError.held(
                 resource,
@@ -289,6 +294,7 @@ class RedisLeaseStore(BaseLeaseStore):
                 duplicate=bool(more[0]),
                 position=int(more[1]) or None,
                 wake=None if more[2] is None else _text(more[2]),
+                polling=bool(more[3]),
             )
         (
             _,

@@ -179,7 +179,8 @@ class LedgerStatements:
                    h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
                    o.state, o.fence, o.owner_label, o.result,
                    ({self.ckpt_read}), (SELECT us FROM clk), h.prev_label, h.prev_fence,
-                   {wait_sql.hand_off_columns(p)},{wait_sql.claim_wake_columns(p)}
+                   {wait_sql.hand_off_columns(p)},{wait_sql.claim_wake_columns(p)},
+                   {wait_sql.polling_column(p)}
             FROM (SELECT 1) AS one
             LEFT JOIN claimed AS c ON true
             LEFT JOIN nl AS h ON h.verdict <> 'claim'
@@ -225,7 +226,8 @@ class LedgerStatements:
                    ({self.ckpt_read}), (SELECT us FROM clk), h.o_hprev_label, h.o_hprev_fence,
                    coalesce(h.o_position, 0), h.o_wake, h.o_hold, h.o_hold_until,
                    (SELECT g.o_next_wake FROM s AS g),
-                   (SELECT g.o_own_wake FROM s AS g WHERE g.o_took)
+                   (SELECT g.o_own_wake FROM s AS g WHERE g.o_took),
+                   coalesce(h.o_polling, false)
             FROM (SELECT 1) AS one
             LEFT JOIN claimed AS c ON true
             LEFT JOIN s AS h ON NOT h.o_took

@@ -67,6 +67,8 @@ class ClaimRow(NamedTuple):
     #: payload of the claimant's own place as the claim took it off the list (invariant 15).
     next_wake: Any = None
     own_wake: Any = None
+    #: When refused and listed: whether its place is a polling one (invariant 12).
+    polling: Any = False
 
 
 def identity_fields(ident: tuple[Any, ...]) -> dict[str, Any]:

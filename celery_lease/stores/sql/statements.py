@@ -80,7 +80,7 @@ class Statements:
                        h.owner_token, h.owner_label, h.fence, h.acquired_us, h.expires_us,
                        NULL, NULL, NULL, NULL, NULL, (SELECT us FROM clk), h.prev_label,
                        h.prev_fence,{wait_sql.hand_off_columns(p)},
-                       {wait_sql.claim_wake_columns(p)}
+                       {wait_sql.claim_wake_columns(p)},{wait_sql.polling_column(p)}
                 FROM (SELECT 1) AS one
                 LEFT JOIN claimed AS c ON true
                 LEFT JOIN nl AS h ON h.verdict <> 'claim'"""
@@ -105,14 +105,15 @@ class Statements:
                 claim AS ({claim})
                 SELECT 1, 1, fence, acquired_us, expires_us, prev_label, prev_fence,
                        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                       acquired_us, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL
+                       acquired_us, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL, false
                 FROM claim
                 UNION ALL
                 SELECT s.o_took::int, s.o_took::int, s.o_fence, s.o_acquired, s.o_expires,
                        s.o_prev_label, s.o_prev_fence, s.o_token, s.o_label, s.o_hfence,
                        s.o_hacquired, s.o_hexpires, NULL, NULL, NULL, NULL, NULL,
                        (SELECT us FROM clk), s.o_hprev_label, s.o_hprev_fence, s.o_position,
-                       s.o_wake, s.o_hold, s.o_hold_until, s.o_next_wake, s.o_own_wake
+                       s.o_wake, s.o_hold, s.o_hold_until, s.o_next_wake, s.o_own_wake,
+                       s.o_polling
                 FROM {settle}
                 WHERE NOT EXISTS (SELECT 1 FROM claim)"""
             self.release_fast = wait_sql.release_calling(t, fn.hand_off, p)

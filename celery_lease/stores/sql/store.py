@@ -263,12 +263,15 @@ class SQLLeaseStore(BaseLeaseStore):
         wait: str | None = None,
         wait_ttl: float = 120.0,
         attempt: int | None = None,
+        waiter: str | None = None,
+        since: int | None = None,
         early_wake: bool = False,
         own_wake: bool = False,
     ) -> Lease:
         ttl = self._claim_args(resource, owner, ttl)
         identity = self._identity_args(identity)
-        payload = self._wait_args(identity, wait, wait_ttl)
+        name = self._waiter_args(identity, waiter, since)  # (its place's name)
+        payload = self._wait_args(name, wait, wait_ttl)
         ttl_us = max(1, round(ttl * 1e6))
         params = {
             "r": resource,
@@ -285,6 +288,8 @@ class SQLLeaseStore(BaseLeaseStore):
             # (invariant 15, PostgreSQL: SQLite's statements do not name them)
             "nw": early_wake,
             "ow": own_wake,
+            "pn": name,
+            "since": since,
         }
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:
@@ -313,6 +318,7 @@ class SQLLeaseStore(BaseLeaseStore):
                         (row.hold_until - now) / 1e6,
                         position=row.position,
                         wake=row.wake,
+                        polling=bool(row.polling),
                     )
                 if h_token is None or h_expires <= now:
                     # Our snapshot shows the lease free (released or expired), but a claim
@@ -329,6 +335,7 @@ class SQLLeaseStore(BaseLeaseStore):
                         # the holder runs this very identity: a duplicate of running work
                         duplicate=i_state == "running" and i_fence == h_fence,
                         position=row.position,
+                        polling=bool(row.polling),
                     )
                 # The same claim retried after a lost reply: the same lease, and what the first
                 # attempt recovered (the lease row's prev_*, the identity row's hidden facts).

@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .._bounds import REARM_GROWTH
+from .._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
 
 __all__ = [
     "SETTLE_ARGS",
@@ -44,6 +44,7 @@ __all__ = [
     "fetch",
     "functions",
     "hand_off_columns",
+    "polling_column",
     "raw",
     "release_columns",
     "release_wake",
@@ -57,11 +58,19 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
     with ``claimed`` (the new lease from either step) and ``nl`` (the decision, with the lease
     row as it stood: the holder when refused). ``duplicate`` is a condition on ``dec.fence``
     (the holder runs this identity); ``not_done`` a condition that the identity is not done."""
-    i, w, grace = f"{p('i')}::varchar", f"{p('w')}::text", f"{p('grace')}::bigint"
+    # (i: the name of the claim's place: its identity, or its waiter name)
+    i, w, grace = f"{p('pn')}::varchar", f"{p('w')}::text", f"{p('grace')}::bigint"
     wttl, cap = f"{p('wttl')}::bigint", f"{p('cap')}::bigint"
     wbytes, a = f"{p('wbytes')}::bigint", f"{p('a')}::bigint"
+    since = f"{p('since')}::bigint"
+    # a woken waiter's grace: POLL_HOLD graces for a polling one (it polls once a grace)
+    held = f"CASE WHEN x.e->>4 = '{POLL}' THEN {POLL_HOLD} * {grace} ELSE {grace} END"
     # a re-armed place takes its new payload within the bytes bound (base.rearm_fits)
-    grew = f"octet_length({w}) - octet_length(x.e->>4)"
+    # (a polling place's payload counts no bytes)
+    grew = (
+        f"(CASE WHEN {w} = '{POLL}' THEN 0 ELSE octet_length({w}) END"
+        f" - CASE WHEN x.e->>4 = '{POLL}' THEN 0 ELSE octet_length(x.e->>4) END)"
+    )
     refits = (
         f"({grew} <= 0 OR act.bytes + {grew} <= {wbytes}"
         f" + CASE WHEN {grew} <= {REARM_GROWTH} THEN {REARM_GROWTH} * act.cnt ELSE 0 END)"
@@ -95,7 +104,12 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                     WHERE (wl.e->>3)::bigint BETWEEN 1 AND k.us) + 10 * {grace}, 0)) END AS slow,
                 h.e AS head, h.pos AS hpos,
                 (SELECT count(*) FROM lw) AS cnt,
-                (SELECT coalesce(sum(octet_length(lw.e->>4)), 0) FROM lw) AS bytes,
+                (SELECT count(*) FROM lw WHERE lw.e->>4 <> '{POLL}') AS mcnt,
+                least(k.us, coalesce({since}, k.us)) AS at,
+                (SELECT count(*) FROM lw WHERE (lw.e->>1)::bigint
+                    <= least(k.us, coalesce({since}, k.us))) AS before,
+                (SELECT coalesce(sum(octet_length(lw.e->>4)), 0) FROM lw
+                 WHERE lw.e->>4 <> '{POLL}') AS bytes,
                 (SELECT lw.pos FROM lw WHERE lw.e->>0 = {i}) AS mine,
                 coalesce((SELECT {a} < (lw.e->>5)::bigint FROM lw WHERE lw.e->>0 = {i}),
                          false) AS stale
@@ -118,28 +132,31 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                 dec.verdict IN ('busy', 'held') AND {w} IS NOT NULL AND {i} IS NOT NULL
                     AND NOT (dec.verdict = 'busy' AND {duplicate}) AS joins,
                 dec.verdict = 'held' AND (dec.head->>3)::bigint = 0 AS wakes,
-                dec.cnt < {cap} AND dec.bytes + coalesce(octet_length({w}), 0) <= {wbytes}
-                    AS fits
+                {w} <> '{POLL}' AND dec.mcnt < {cap}
+                    AND dec.bytes + coalesce(octet_length({w}), 0) <= {wbytes} AS asmsg,
+                dec.cnt < {POLL_PLACES} * {cap} AS fits
             FROM dec),
         nl AS (
             SELECT act.*, coalesce((
-                SELECT jsonb_agg(CASE
-                    WHEN act.wakes AND x.pos = act.hpos THEN jsonb_build_array(x.e->0, x.e->1,
-                        greatest((x.e->>2)::bigint, act.now + {grace}), act.now + {grace},
-                        x.e->4, x.e->5)
-                    WHEN act.joins AND NOT act.stale AND x.e->>0 = {i}
-                    THEN jsonb_build_array(x.e->0, x.e->1,
-                        greatest((x.e->>2)::bigint, act.now + {wttl}), 0,
-                        CASE WHEN {refits} THEN to_jsonb({w}) ELSE x.e->4 END,
-                        CASE WHEN {refits} THEN to_jsonb({a}) ELSE x.e->5 END)
-                    ELSE x.e END ORDER BY x.pos)
-                FROM lw AS x
-                WHERE act.verdict <> 'claim' OR act.stale OR x.e->>0 IS DISTINCT FROM {i}),
-                '[]'::jsonb)
-              || CASE WHEN act.joins AND act.mine IS NULL AND act.fits
-                 THEN jsonb_build_array(
-                     jsonb_build_array({i}, act.now, act.now + {wttl}, 0, {w}, {a}))
-                 ELSE '[]'::jsonb END AS list,
+                SELECT jsonb_agg(y.e ORDER BY y.k) FROM (
+                    SELECT CASE
+                        WHEN act.wakes AND x.pos = act.hpos THEN jsonb_build_array(x.e->0,
+                            x.e->1, greatest((x.e->>2)::bigint, act.now + {held}),
+                            act.now + {held}, x.e->4, x.e->5)
+                        WHEN act.joins AND NOT act.stale AND x.e->>0 = {i}
+                        THEN jsonb_build_array(x.e->0, x.e->1,
+                            greatest((x.e->>2)::bigint, act.now + {wttl}), 0,
+                            CASE WHEN {refits} THEN to_jsonb({w}) ELSE x.e->4 END,
+                            CASE WHEN {refits} THEN to_jsonb({a}) ELSE x.e->5 END)
+                        ELSE x.e END AS e, x.pos::numeric AS k
+                    FROM lw AS x
+                    WHERE act.verdict <> 'claim' OR act.stale OR x.e->>0 IS DISTINCT FROM {i}
+                    UNION ALL
+                    SELECT jsonb_build_array({i}, act.at, act.now + {wttl}, 0,
+                               CASE WHEN act.asmsg THEN {w} ELSE '{POLL}' END, {a}),
+                           act.before + 0.5
+                    WHERE act.joins AND act.mine IS NULL AND act.fits) AS y),
+                '[]'::jsonb) AS list,
               CASE WHEN act.verdict = 'claim' AND NOT act.stale AND {p("ow")}::boolean
                    THEN (SELECT x.e->>4 FROM lw AS x WHERE x.e->>0 = {i} LIMIT 1) END AS own
             FROM act),
@@ -171,13 +188,24 @@ def hand_off_columns(p: Callable[[str], str]) -> str:
     """The claim's last columns, from ``nl`` as ``h``: its place in the wait list (0: not
     queued), the payload of the waiter this claim woke, and the waiter held for (and until
     when) when refused for a hand-off."""
+    grace = f"{p('grace')}::bigint"
     return f"""
-            CASE WHEN h.joins THEN coalesce(h.mine, CASE WHEN h.fits THEN h.cnt + 1 ELSE 0 END)
+            CASE WHEN h.joins THEN coalesce(h.mine, CASE WHEN h.fits THEN h.before + 1 ELSE 0 END)
                  ELSE 0 END,
             CASE WHEN h.wakes THEN h.head->>4 END,
             CASE WHEN h.verdict = 'held' THEN h.head->>0 END,
-            CASE WHEN h.wakes THEN h.now + {p("grace")}::bigint
+            CASE WHEN h.wakes THEN h.now + CASE WHEN h.head->>4 = '{POLL}'
+                                              THEN {POLL_HOLD} * {grace} ELSE {grace} END
                  ELSE (h.head->>3)::bigint END"""
+
+
+def polling_column(p: Callable[[str], str]) -> str:
+    """One more column of a refused claim, from ``nl`` as ``h``: whether its place is a polling
+    one (nobody sends its message; invariant 12)."""
+    return f"""
+            CASE WHEN h.joins THEN coalesce((
+                SELECT y.e->>4 = '{POLL}' FROM jsonb_array_elements(h.list) AS y(e)
+                WHERE y.e->>0 = {p("pn")}::varchar LIMIT 1), false) ELSE false END"""
 
 
 def claim_wake_columns(p: Callable[[str], str], nl: str = "nl") -> str:
@@ -215,9 +243,10 @@ def release_columns(p: Callable[[str], str]) -> str:
     first waiter never woken (the list columns stay NULL when nobody waits)."""
     grace = f"{p('grace')}::bigint"
     places = _release_places()
+    held = f"(CASE WHEN y.e->>4 = '{POLL}' THEN {POLL_HOLD} * {grace} ELSE {grace} END)"
     woken = (
-        f"jsonb_build_array(y.e->0, y.e->1, greatest((y.e->>2)::bigint, clk.us + {grace}), "
-        f"clk.us + {grace}, y.e->4, y.e->5)"
+        f"jsonb_build_array(y.e->0, y.e->1, greatest((y.e->>2)::bigint, clk.us + {held}), "
+        f"clk.us + {held}, y.e->4, y.e->5)"
     )
     return f"""
                 waits = CASE WHEN u.waits IS NULL THEN NULL ELSE (
@@ -226,7 +255,7 @@ def release_columns(p: Callable[[str], str]) -> str:
                     FROM {places}) END,
                 waits_expire_us = CASE WHEN u.waits IS NULL THEN NULL ELSE (
                     SELECT max(CASE WHEN y.n = y.target
-                                    THEN greatest((y.e->>2)::bigint, clk.us + {grace})
+                                    THEN greatest((y.e->>2)::bigint, clk.us + {held})
                                     ELSE (y.e->>2)::bigint END)
                     FROM {places}) END,
                 wait_slow_us = CASE WHEN u.waits IS NULL OR NOT EXISTS (
@@ -241,8 +270,10 @@ def release_columns(p: Callable[[str], str]) -> str:
 
 def release_wake(p: Callable[[str], str]) -> str:
     """The RETURNING item of that release: the payload of the waiter it woke, or NULL."""
+    grace = f"{p('grace')}::bigint"
     return f"""(SELECT x.e->>4 FROM jsonb_array_elements(u.waits) AS x(e)
-                    WHERE (x.e->>3)::bigint = clk.us + {p("grace")}::bigint LIMIT 1)"""
+                    WHERE (x.e->>3)::bigint = clk.us + CASE WHEN x.e->>4 = '{POLL}'
+                        THEN {POLL_HOLD} * {grace} ELSE {grace} END LIMIT 1)"""
 
 
 #: The settling function's parameters, in order (``p_<name>`` in its body): the claim's
@@ -263,6 +294,8 @@ SETTLE_ARGS = (
     ("a", "bigint"),
     ("nw", "boolean"),
     ("ow", "boolean"),
+    ("pn", "varchar"),
+    ("since", "bigint"),
     ("now", "bigint"),
     ("running", "bigint"),
     ("was_fence", "bigint"),
@@ -279,7 +312,7 @@ SETTLE_COLUMNS = (
     "o_prev_label varchar, o_prev_fence bigint, o_token varchar, o_label varchar, "
     "o_hfence bigint, o_hacquired bigint, o_hexpires bigint, o_hprev_label varchar, "
     "o_hprev_fence bigint, o_position bigint, o_wake text, o_hold text, o_hold_until bigint, "
-    "o_next_wake text, o_own_wake text"
+    "o_next_wake text, o_own_wake text, o_polling boolean"
 )
 
 
@@ -318,7 +351,7 @@ def functions(t: str, prefix: str, now: str, quote: Callable[[str], str]) -> Fun
             SELECT coalesce(k.took, false), k.fence, k.acquired_us, k.expires_us,
                    k.prev_label, k.prev_fence, h.owner_token, h.owner_label, h.fence,
                    h.acquired_us, h.expires_us, h.prev_label, h.prev_fence,{hand_off_columns(v)},
-                   {claim_wake_columns(v)}
+                   {claim_wake_columns(v)},{polling_column(v)}
             FROM nl AS h LEFT JOIN take AS k ON true;
         END"""
     hand_off_body = f"""

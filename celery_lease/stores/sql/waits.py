@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..base import rearm_fits
+from ..base import POLL, POLL_HOLD, POLL_PLACES, rearm_fits
 
 if TYPE_CHECKING:
     from .statements import Statements
@@ -114,6 +114,7 @@ class Waits:
         cap: int,
         bytes_cap: int,
         attempt: int | None = None,
+        since: int | None = None,
     ) -> int:
         """Put ``identity`` at the back, or keep and refresh its place; its place (0: the list
         is full: ``cap`` places, or its payloads would pass ``bytes_cap`` bytes).
@@ -131,24 +132,46 @@ class Waits:
             entry[2] = max(int(entry[2]), until)
             entry[3] = 0
             del entry[6:]  # (re-armed: a later missed wake may be sent again)
-            old, new = len(str(entry[4]).encode()), len(payload.encode())
+            old, new = _bytes(entry[4]), _bytes(payload)
             after = self.payload_bytes() - old + new
             if rearm_fits(old, new, after, len(self.places), bytes_cap):
                 entry[4] = payload
                 entry[5:] = [attempt]
             return place
-        if len(self.places) >= cap or self.payload_bytes() + len(payload.encode()) > bytes_cap:
+        if payload != POLL and (
+            sum(str(e[4]) != POLL for e in self.places) >= cap
+            or self.payload_bytes() + len(payload.encode()) > bytes_cap
+        ):
+            payload = POLL  # no room for its message: a polling place
+        if len(self.places) >= POLL_PLACES * cap:
             return 0
-        self.places.append([identity, now, until, 0, payload, attempt])
-        return len(self.places)
+        # behind every place not listed later than it (its publish time, else now)
+        at = min(now, since) if since is not None else now
+        place = len(self.places)
+        while place and int(self.places[place - 1][1]) > at:
+            place -= 1
+        self.places.insert(place, [identity, at, until, 0, payload, attempt])
+        return place + 1
+
+    def polling(self, position: int) -> bool:
+        """Whether the place at ``position`` (1-based; 0: none) is a polling one."""
+        return 0 < position <= len(self.places) and str(self.places[position - 1][4]) == POLL
 
     def payload_bytes(self) -> int:
-        """The bytes (UTF-8) of the listed wake payloads."""
-        return sum(len(str(e[4]).encode()) for e in self.places)
+        """The bytes (UTF-8) of the listed wake payloads (none for a polling place)."""
+        return sum(_bytes(e[4]) for e in self.places)
 
 
-def wake(entry: Place, until: int) -> None:
-    """Mark a waiter woken until ``until`` (its place kept at least as long)."""
+def _bytes(payload: Any) -> int:
+    """A wake payload's bytes (UTF-8) as the bound counts them: none for a polling place."""
+    text = str(payload)
+    return 0 if text == POLL else len(text.encode())
+
+
+def wake(entry: Place, now: int, grace_us: int) -> None:
+    """Mark a waiter woken for the grace from ``now`` (a polling one: POLL_HOLD graces; its
+    place kept at least as long)."""
+    until = now + grace_us * (POLL_HOLD if str(entry[4]) == POLL else 1)
     entry[3] = until
     entry[2] = max(int(entry[2]), until)
     del entry[6:]
@@ -175,6 +198,7 @@ class Settled:
     waits: Waits
     write: bool = False  # the list changed: write it back
     position: int = 0
+    polling: bool = False  # its place is a polling one
     wake: str | None = None  # the held waiter's payload, woken by this claim
     head: Place | None = field(default=None)  # the waiter held for ("held")
 
@@ -193,8 +217,10 @@ def decide(
     bytes_cap: int,
     grace_us: int,
     attempt: int | None = None,
+    since: int | None = None,
 ) -> Settled:
-    """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now)."""
+    """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now);
+    ``identity``: the name of the claim's place."""
     owner, expires, now = holder
     waits = Waits.read(raw, slow, now, 10 * grace_us)
     live = owner is not None and expires > now
@@ -216,13 +242,14 @@ def decide(
         return settled
     if payload is not None and identity is not None and not (verdict == "busy" and duplicate):
         settled.position = waits.join(
-            identity, payload, now + wait_ttl_us, now, cap, bytes_cap, attempt
+            identity, payload, now + wait_ttl_us, now, cap, bytes_cap, attempt, since
         )
+        settled.polling = waits.polling(settled.position)
         # Refused unlisted, the list is as it was (lapsed places and a missed wake are read
         # again from it): no rewrite, which at a full list is the cost of the refusal.
         settled.write = settled.position != 0
     if verdict == "held" and head is not None and head[3] == 0:  # nobody woke it: wake it now
-        wake(head, now + grace_us)
+        wake(head, now, grace_us)
         settled.wake = head[4]
         settled.write = True
     return settled
@@ -236,7 +263,7 @@ def release_wake(raw: Any, slow: Any, now: int, grace_us: int) -> tuple[Waits, s
         return waits, None
     for entry in waits.places:
         if int(entry[3]) == 0:
-            wake(entry, now + grace_us)
+            wake(entry, now, grace_us)
             return waits, str(entry[4])
     return waits, None
 
@@ -256,7 +283,7 @@ def due(raw: Any, slow: Any, now: int, grace_us: int) -> tuple[Waits, list[tuple
             out.append((str(entry[4]), True))
     for entry in waits.places:
         if int(entry[3]) == 0:
-            wake(entry, now + grace_us)
+            wake(entry, now, grace_us)
             out.append((str(entry[4]), False))
             break
     return waits, out
@@ -275,7 +302,7 @@ def settle(
         raw,
         slow,
         token=params["t"],
-        identity=params.get("i"),
+        identity=params.get("pn"),
         payload=params.get("w"),
         duplicate=duplicate,
         wait_ttl_us=params["wttl"],
@@ -283,6 +310,7 @@ def settle(
         bytes_cap=params["wbytes"],
         grace_us=params["grace"],
         attempt=params.get("a"),
+        since=params.get("since"),
     )
     if settled.verdict == "claim":
         cursor.execute(sql.take, {**params, "now": now, **stored(settled.waits)})
@@ -299,6 +327,7 @@ def settle(
         "holder_prev_label": prev_label,
         "holder_prev_fence": prev_fence,
         "position": settled.position,
+        "polling": settled.polling,
         "wake": settled.wake,
     }
     if settled.verdict == "held" and settled.head is not None:
