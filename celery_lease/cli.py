@@ -590,7 +590,11 @@ def _facts_lines(facts: dict[str, Any]) -> list[str]:
 @_fails_cleanly
 def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     """Check the store: health, a write probe, clock skew, and for PostgreSQL its timeouts
-    and the role's rights."""
+    and the role's rights.
+
+    The verdict is the exit status, and ``"ok"`` in ``--json`` says the same: ok unless the
+    write probe failed, or ``--strict`` is given and there are warnings. Warnings alone are
+    advice (listed either way), not a failure."""
     store = _store(ctx)
     warnings = list(store.check_health())
     try:
@@ -613,7 +617,10 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         out["postgresql"] = facts
         warnings += more
     out["warnings"] = warnings
-    out["ok"] = not warnings and "failed" not in probe
+    # One verdict for both forms: "ok" is what the exit status says (a script reading the JSON
+    # must not fail a deploy that the exit status passes, or the reverse).
+    out["strict"] = strict
+    out["ok"] = "failed" not in probe and not (strict and warnings)
     if as_json:
         _dump(ctx, out)
     else:
@@ -631,7 +638,14 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
             ctx.obj.echo(line)
         for warning in warnings:
             ctx.obj.echo(f"WARNING: {warning}")
-        ctx.obj.echo("OK" if out["ok"] else f"{len(warnings)} warning(s)")
+        if "failed" in probe:
+            ctx.obj.echo("FAILED: the write probe failed")
+        elif not warnings:
+            ctx.obj.echo("OK")
+        elif out["ok"]:
+            ctx.obj.echo(f"OK, {len(warnings)} warning(s)")
+        else:
+            ctx.obj.echo(f"FAILED: {len(warnings)} warning(s) under --strict")
     if "failed" in probe:
         raise CommandError(f"the write probe failed: {probe['failed']}")
     if strict and warnings:

@@ -7,6 +7,7 @@ entry point, so its exit statuses, stderr and stdin prompt are proven end to end
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
@@ -206,6 +207,32 @@ class TestHumanOutput:
         assert "write probe: ok" in done.stdout
         assert "WARNING: SQLite lease store" in done.stdout
         assert "1 warning(s)" in one_line_error(done)
+
+
+class TestCheckVerdict:
+    def test_json_ok_agrees_with_the_exit_status(self, sqlite_target: Target) -> None:
+        """check --json says ok exactly when the command exits 0: warnings alone do not fail
+        it (the text form says "OK, 1 warning(s)"), --strict makes them fail both forms.
+        Failed before: "ok": false with exit status 0."""
+        plain = sqlite_target.run("check", "--json")
+        assert plain.returncode == 0, plain.stderr
+        report = json.loads(plain.stdout)
+        assert report["warnings"] and "SQLite lease store" in report["warnings"][0]
+        assert report["ok"] is True and report["strict"] is False
+
+        text = sqlite_target.run("check")
+        assert text.returncode == 0, text.stderr
+        assert text.stdout.splitlines()[-1] == "OK, 1 warning(s)"
+
+        strict = sqlite_target.run("check", "--json", "--strict")
+        assert strict.returncode == 1
+        report = json.loads(strict.stdout)
+        assert report["ok"] is False and report["strict"] is True
+        assert "1 warning(s)" in one_line_error(strict)
+
+        text = sqlite_target.run("check", "--strict")
+        assert text.returncode == 1
+        assert text.stdout.splitlines()[-1] == "FAILED: 1 warning(s) under --strict"
 
 
 class TestCheckHumanOutput:
