@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease import LeaseBusyError, Owner
+from celery_lease import LeaseBusyError, Owner, _sweeper
 from celery_lease.cli import holder_task_id, prefix_of
-from tests.cli_helpers import Target, make_target, one_line_error, run_lease
+from tests.cli_helpers import Target, lease_here, make_target, one_line_error, run_lease
 
 
 @pytest.fixture(params=["redis", "sqlite", "postgres"])
@@ -293,6 +293,29 @@ class TestErrors:
         line = one_line_error(done)
         assert f"127.0.0.1:{port}" in line
         assert "s3cret" not in done.stderr + done.stdout
+
+    @pytest.mark.parametrize("hooked", [False, True])
+    @pytest.mark.parametrize("as_json", [False, True])
+    def test_sweep_dry_run_fails_on_a_store_down(
+        self, monkeypatch: pytest.MonkeyPatch, hooked: bool, as_json: bool
+    ) -> None:
+        """sweep --dry-run against an unreachable store fails like every other command (exit
+        1, one line naming the store, password masked), with or without on_expired hooks.
+        Failed before without hooks: "0 expired lease(s)" (or its JSON) and exit 0."""
+        hooks = [("disposable/", lambda expired: None)] if hooked else []
+        monkeypatch.setattr(_sweeper, "_hooks", hooks)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]  # closed again below: nothing listens there
+        url = f"redis://:s3cret@127.0.0.1:{port}/0"
+        done = lease_here("sweep", "--dry-run", *(["--json"] if as_json else []), env={
+            "CLI_STORE": url
+        })  # fmt: skip
+        assert done.returncode == 1, done.stdout
+        line = one_line_error(done)
+        assert f"127.0.0.1:{port}" in line and "refused the connection" in line
+        assert "s3cret" not in done.stderr + done.stdout
+        assert "expired" not in done.stdout
 
     def test_release_needs_force_and_confirmation(self, sqlite_target: Target) -> None:
         """release refuses without --force, asks without --yes, and a 'no' changes nothing."""
