@@ -26,7 +26,7 @@ from . import _clock
 from ._app import _store_options, get_store
 from ._errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseStoreError
 from ._lease import LeaseInfo, Owner
-from ._names import holder_task_id, validate_resource
+from ._names import holder_task_id, parse_holder, validate_resource
 from ._settings import LeaseSettings
 from .stores.base import (
     MAX_LIST_LIMIT,
@@ -137,11 +137,14 @@ def _duration(seconds: float) -> str:
 
 
 def _lease_json(info: LeaseInfo) -> dict[str, Any]:
+    task_id, task, args = parse_holder(info.owner_label)
     return {
         "resource": info.resource,
         "holder": info.owner_label,
         "fence": info.fence,
-        "task_id": holder_task_id(info.owner_label),
+        "task_id": task_id,
+        "task": task,
+        "args": args,
         "acquired_at": info.acquired_at.isoformat(),
         "expires_at": info.expires_at.isoformat(),
         "expires_in": round(info.expires_in, 3),
@@ -203,7 +206,8 @@ def lease(ctx: click.Context) -> None:
 def ls(
     ctx: click.Context, prefix: str, expired: bool, limit: int, waiters: bool, as_json: bool
 ) -> None:
-    """List leases, soonest expiry first: holder, fence, expiry, task id."""
+    """List leases, soonest expiry first: holder (host:pid:task-id, then the task's name and
+    arguments), fence, expiry, task id."""
     store = _store(ctx)
     found = list(_iter_leases(store, prefix=prefix, expired_only=expired, limit=limit + 1))
     shown, more = found[:limit], len(found) > limit
@@ -329,11 +333,14 @@ def show(
         ctx.obj.echo(f"{resource}: no lease (free)")
     else:
         state = "expired, never released" if info.expired else "live"
+        task_id, task, args = parse_holder(info.owner_label)
         for name, value in (
             ("resource", info.resource),
             ("state", state),
             ("holder", info.owner_label),
-            ("task id", holder_task_id(info.owner_label) or "-"),
+            ("task id", task_id or "-"),
+            ("task", task or "-"),
+            ("args", args or "-"),
             ("fence", str(info.fence)),
             ("acquired at", info.acquired_at.isoformat()),
             ("expires at", info.expires_at.isoformat()),

@@ -59,6 +59,15 @@ class TestHelpers:
         assert holder_task_id("web-1:4242") is None
         assert holder_task_id("custom") is None
 
+    def test_the_task_id_ends_where_the_task_name_begins(self) -> None:
+        """A label with the task's name and arguments after the task id (colons and spaces in
+        the arguments too) gives the task id alone; an encoded one is decoded."""
+        assert holder_task_id("celery@w1:12:t-1 proj.fetch ('http://x:8080/a b',)") == "t-1"
+        assert holder_task_id("celery@w1:12:t-1 proj.fetch") == "t-1"
+        assert holder_task_id("celery@w1:12:a:b proj.fetch (1,)") == "a:b"
+        assert holder_task_id("celery@w1:12:a%20b%25 proj.fetch (1,)") == "a b%"
+        assert holder_task_id("celery@w1:12:direct proj.fetch (1,)") is None
+
     def test_stats_groups_by_first_separator(self) -> None:
         """Resources are grouped up to their first / or :."""
         assert prefix_of("browser/a/b") == "browser/"
@@ -110,6 +119,41 @@ class TestEveryStore:
             facts = checked["postgresql"]
             assert facts["statement_timeout"] not in ("0", None)
             assert set(facts["table_rights"].values()) == {"SELECT,INSERT,UPDATE,DELETE"}
+
+
+class TestHolderTask:
+    LABEL = "celery@w1:12:task-aaa proj.drive_browser (42,) {'mode': 'fast'}"
+
+    def test_ls_and_show_name_the_task_and_its_arguments(self, target: Target) -> None:
+        """ls and show give the holder's task name and recorded arguments (from its label, as
+        `celery inspect active` shows them) next to its task id, in JSON and text; a label
+        without them (an older worker's, Owner.new()'s) gives null. Failed before: no task
+        name nor arguments, and a task id read from the arguments' colons."""
+        store = target.store
+        store.acquire("browser/a", Owner.new(self.LABEL), 60)
+        store.acquire("browser/b", Owner.new("celery@w1:13:task-bbb"), 60)
+        store.acquire("browser/c", Owner.new("celery@w1:14:task-ccc proj.fetch ('x:1',)"), 60)
+        rows = {row["resource"]: row for row in target.json("ls")}
+        got = {r: (row["task_id"], row["task"], row["args"]) for r, row in rows.items()}
+        assert got == {
+            "browser/a": ("task-aaa", "proj.drive_browser", "(42,) {'mode': 'fast'}"),
+            "browser/b": ("task-bbb", None, None),
+            "browser/c": ("task-ccc", "proj.fetch", "('x:1',)"),
+        }
+        assert rows["browser/a"]["holder"] == self.LABEL  # the label as stored
+
+        shown = target.json("show", "browser/a")["lease"]
+        assert (shown["task_id"], shown["task"], shown["args"]) == got["browser/a"]
+
+        text = target.run("show", "browser/a")
+        assert text.returncode == 0, text.stderr
+        assert f"holder:      {self.LABEL}\n" in text.stdout
+        assert "task id:     task-aaa\n" in text.stdout
+        assert "task:        proj.drive_browser\n" in text.stdout
+        assert "args:        (42,) {'mode': 'fast'}\n" in text.stdout
+        listed = target.run("ls").stdout.splitlines()
+        (row,) = [line for line in listed if line.startswith("browser/a ")]
+        assert self.LABEL in row and row.split()[-1] == "task-aaa"
 
 
 class TestShowIdentityRecords:

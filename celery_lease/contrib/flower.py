@@ -29,6 +29,7 @@ from typing import Any
 from .. import _clock
 from .._errors import LeaseError
 from .._eventlog import redact
+from .._names import holder_task_id
 
 __all__ = ["CACHE_SECONDS", "annotate", "format_task", "make_format_task"]
 
@@ -116,7 +117,7 @@ def _current(app: Any, resource: str, task_id: str | None) -> str:
     if info is None:
         return "free"
     who = info.owner_label
-    if task_id and who.endswith(f":{task_id}"):
+    if task_id and holder_task_id(who) == task_id:
         who = f"this task ({who})"
     if info.expired:
         return f"expired lease of {who} with fence {info.fence}, not released"
