@@ -276,6 +276,12 @@ class Lease:
 
         ``receipt = lease.effect("charge:inv-42")(charge)`` (or use it as a decorator, or as a
         context manager checking ``effect.done``). See :class:`celery_lease.Effect`.
+
+        Args:
+            key: the effect's key, unique per identity; it follows the resource-name rule.
+
+        Raises:
+            LeaseConfigError: ``key`` is not a valid effect key, or the lease has no identity.
         """
         from ._ledger import Effect
 
@@ -284,8 +290,16 @@ class Lease:
     def checkpoint(self, step: str, data: Any = None) -> None:
         """Record progress for this identity; a later owner reads it in ``checkpoints``.
 
-        Fenced: only the live owner can write (else LeaseLostError). ``data`` must be
-        JSON-serialisable.
+        ``lease.checkpoint("page", {"page": 3})``: the step's name first, its data second.
+
+        Args:
+            step: the step's name (the key in ``checkpoints``); it follows the resource-name
+                rule.
+            data: what the step recorded; JSON-serialisable.
+
+        Raises:
+            LeaseConfigError: ``step`` is not a valid step name, or the lease has no identity.
+            LeaseLostError: this owner no longer holds the lease (the write is fenced).
         """
         from ._ledger import write_checkpoint
 

@@ -21,7 +21,7 @@ from . import _events as events
 from . import _failpoints as failpoints
 from ._codec import decode, encode
 from ._errors import EffectUnresolvedError, LeaseConfigError
-from ._names import validate_resource
+from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -40,6 +40,27 @@ class _Redo:
 
 
 REDO = _Redo()
+
+
+#: What the messages about a bad effect key or checkpoint step name suggest.
+EFFECT_EXAMPLE = "e.g. lease.effect('charge:inv-42')"
+STEP_EXAMPLE = (
+    "pass the step's name first and its data second, e.g. lease.checkpoint('page', {'page': 3})"
+)
+
+
+def _valid_name(value: object, what: str, rule: str, fix: str) -> str:
+    """Return ``value`` if it follows the resource-name rule, else raise LeaseConfigError.
+
+    Effect keys and checkpoint step names share that rule (the stores key records by them),
+    but a bad one must be called what it is: "invalid lease resource" sent users looking at
+    the task's resource= when they had passed a checkpoint's data as its step.
+    """
+    if isinstance(value, str) and RESOURCE_PATTERN.fullmatch(value):
+        return value
+    raise LeaseConfigError(
+        f"{what} {show_value(value)} is not valid: {rule} is {RESOURCE_RULE}; {fix}"
+    )
 
 
 def _needs_identity(lease: Lease, what: str) -> tuple[Any, str]:
@@ -64,7 +85,9 @@ class Effect:
 
     def __init__(self, lease: Lease, key: str) -> None:
         self.lease = lease
-        self.key = validate_resource(key)
+        self.key = _valid_name(
+            key, "lease.effect() key", "an effect key, unique per identity,", EFFECT_EXAMPLE
+        )
         _needs_identity(lease, "lease.effect()")
         self.done = False
         self.replayed = False
@@ -147,7 +170,7 @@ class Effect:
 def write_checkpoint(lease: Lease, step: str, data: Any) -> None:
     """Record ``data`` for ``step`` of the lease's identity (fenced; see Lease.checkpoint)."""
     store, _ = _needs_identity(lease, "lease.checkpoint()")
-    validate_resource(step)
+    _valid_name(step, "lease.checkpoint() step name", "a step name", STEP_EXAMPLE)
     lease.check()
     updated = {**lease.checkpoints, step: data}
     store.checkpoint(lease, encode(updated))

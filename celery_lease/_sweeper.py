@@ -195,6 +195,7 @@ def run_sweep(
         store: sweep this store instead of the app's.
         limit: at most this many records and this many expired leases per run.
         dry_run: only report the expired leases a run would try to reclaim; change nothing.
+            It still reads the store, so a store that is down fails it as it fails a run.
 
     Returns:
         A :class:`SweepReport`.
@@ -214,12 +215,18 @@ def run_sweep(
 
         store = get_store(app, settings)
     report = SweepReport(dry_run=dry_run)
+    roots = _roots()
     if not dry_run:
         report.swept = store.sweep_expired(limit=limit)
         if report.swept:
             events.count("celery_lease_sweeps_total", report.swept, result="swept")
+    elif not roots:
+        # A dry run skips sweep_expired, and with no hook it lists nothing: it would make no
+        # store call at all and report "0 expired" of a store that is down. One bounded read
+        # of the expiry index proves the store answers (LeaseStoreError if it does not).
+        store.list(expired_only=True, limit=1)
     left = limit
-    for root in _roots():
+    for root in roots:
         for info in list(_expired(store, root, left)):
             hooks = [hook for prefix, hook in _hooks if info.resource.startswith(prefix)]
             if not hooks:  # under a root, but not under any of its (longer) hook prefixes

@@ -26,7 +26,7 @@ from . import _clock
 from ._app import _store_options, get_store
 from ._errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseStoreError
 from ._lease import LeaseInfo, Owner
-from ._names import holder_task_id, validate_resource
+from ._names import holder_task_id, parse_holder, validate_resource
 from ._settings import LeaseSettings
 from .stores.base import (
     MAX_LIST_LIMIT,
@@ -137,11 +137,14 @@ def _duration(seconds: float) -> str:
 
 
 def _lease_json(info: LeaseInfo) -> dict[str, Any]:
+    task_id, task, args = parse_holder(info.owner_label)
     return {
         "resource": info.resource,
         "holder": info.owner_label,
         "fence": info.fence,
-        "task_id": holder_task_id(info.owner_label),
+        "task_id": task_id,
+        "task": task,
+        "args": args,
         "acquired_at": info.acquired_at.isoformat(),
         "expires_at": info.expires_at.isoformat(),
         "expires_in": round(info.expires_in, 3),
@@ -203,7 +206,8 @@ def lease(ctx: click.Context) -> None:
 def ls(
     ctx: click.Context, prefix: str, expired: bool, limit: int, waiters: bool, as_json: bool
 ) -> None:
-    """List leases, soonest expiry first: holder, fence, expiry, task id."""
+    """List leases, soonest expiry first: holder (host:pid:task-id, then the task's name and
+    arguments), fence, expiry, task id."""
     store = _store(ctx)
     found = list(_iter_leases(store, prefix=prefix, expired_only=expired, limit=limit + 1))
     shown, more = found[:limit], len(found) > limit
@@ -329,11 +333,14 @@ def show(
         ctx.obj.echo(f"{resource}: no lease (free)")
     else:
         state = "expired, never released" if info.expired else "live"
+        task_id, task, args = parse_holder(info.owner_label)
         for name, value in (
             ("resource", info.resource),
             ("state", state),
             ("holder", info.owner_label),
-            ("task id", holder_task_id(info.owner_label) or "-"),
+            ("task id", task_id or "-"),
+            ("task", task or "-"),
+            ("args", args or "-"),
             ("fence", str(info.fence)),
             ("acquired at", info.acquired_at.isoformat()),
             ("expires at", info.expires_at.isoformat()),
@@ -611,7 +618,11 @@ def _facts_lines(facts: dict[str, Any]) -> list[str]:
 @_fails_cleanly
 def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     """Check the store: health, a write probe, clock skew, and for PostgreSQL its timeouts
-    and the role's rights."""
+    and the role's rights.
+
+    The verdict is the exit status, and ``"ok"`` in ``--json`` says the same: ok unless the
+    write probe failed, or ``--strict`` is given and there are warnings. Warnings alone are
+    advice (listed either way), not a failure."""
     store = _store(ctx)
     warnings = list(store.check_health())
     try:
@@ -634,7 +645,10 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         out["postgresql"] = facts
         warnings += more
     out["warnings"] = warnings
-    out["ok"] = not warnings and "failed" not in probe
+    # One verdict for both forms: "ok" is what the exit status says (a script reading the JSON
+    # must not fail a deploy that the exit status passes, or the reverse).
+    out["strict"] = strict
+    out["ok"] = "failed" not in probe and not (strict and warnings)
     if as_json:
         _dump(ctx, out)
     else:
@@ -652,7 +666,14 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
             ctx.obj.echo(line)
         for warning in warnings:
             ctx.obj.echo(f"WARNING: {warning}")
-        ctx.obj.echo("OK" if out["ok"] else f"{len(warnings)} warning(s)")
+        if "failed" in probe:
+            ctx.obj.echo("FAILED: the write probe failed")
+        elif not warnings:
+            ctx.obj.echo("OK")
+        elif out["ok"]:
+            ctx.obj.echo(f"OK, {len(warnings)} warning(s)")
+        else:
+            ctx.obj.echo(f"FAILED: {len(warnings)} warning(s) under --strict")
     if "failed" in probe:
         raise CommandError(f"the write probe failed: {probe['failed']}")
     if strict and warnings:

@@ -7,6 +7,7 @@ entry point, so its exit statuses, stderr and stdin prompt are proven end to end
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease import LeaseBusyError, Owner
+from celery_lease import LeaseBusyError, Owner, _sweeper
 from celery_lease.cli import holder_task_id, prefix_of
-from tests.cli_helpers import ROOT, Target, make_target, one_line_error, run_lease
+from tests.cli_helpers import ROOT, Target, lease_here, make_target, one_line_error, run_lease
 
 
 @pytest.fixture(params=["redis", "sqlite", "postgres"])
@@ -60,6 +61,15 @@ class TestHelpers:
         assert holder_task_id("web-1:4242:direct") is None
         assert holder_task_id("web-1:4242") is None
         assert holder_task_id("custom") is None
+
+    def test_the_task_id_ends_where_the_task_name_begins(self) -> None:
+        """A label with the task's name and arguments after the task id (colons and spaces in
+        the arguments too) gives the task id alone; an encoded one is decoded."""
+        assert holder_task_id("celery@w1:12:t-1 proj.fetch ('http://x:8080/a b',)") == "t-1"
+        assert holder_task_id("celery@w1:12:t-1 proj.fetch") == "t-1"
+        assert holder_task_id("celery@w1:12:a:b proj.fetch (1,)") == "a:b"
+        assert holder_task_id("celery@w1:12:a%20b%25 proj.fetch (1,)") == "a b%"
+        assert holder_task_id("celery@w1:12:direct proj.fetch (1,)") is None
 
     def test_stats_groups_by_first_separator(self) -> None:
         """Resources are grouped up to their first / or :."""
@@ -112,6 +122,41 @@ class TestEveryStore:
             facts = checked["postgresql"]
             assert facts["statement_timeout"] not in ("0", None)
             assert set(facts["table_rights"].values()) == {"SELECT,INSERT,UPDATE,DELETE"}
+
+
+class TestHolderTask:
+    LABEL = "celery@w1:12:task-aaa proj.drive_browser (42,) {'mode': 'fast'}"
+
+    def test_ls_and_show_name_the_task_and_its_arguments(self, target: Target) -> None:
+        """ls and show give the holder's task name and recorded arguments (from its label, as
+        `celery inspect active` shows them) next to its task id, in JSON and text; a label
+        without them (an older worker's, Owner.new()'s) gives null. Failed before: no task
+        name nor arguments, and a task id read from the arguments' colons."""
+        store = target.store
+        store.acquire("browser/a", Owner.new(self.LABEL), 60)
+        store.acquire("browser/b", Owner.new("celery@w1:13:task-bbb"), 60)
+        store.acquire("browser/c", Owner.new("celery@w1:14:task-ccc proj.fetch ('x:1',)"), 60)
+        rows = {row["resource"]: row for row in target.json("ls")}
+        got = {r: (row["task_id"], row["task"], row["args"]) for r, row in rows.items()}
+        assert got == {
+            "browser/a": ("task-aaa", "proj.drive_browser", "(42,) {'mode': 'fast'}"),
+            "browser/b": ("task-bbb", None, None),
+            "browser/c": ("task-ccc", "proj.fetch", "('x:1',)"),
+        }
+        assert rows["browser/a"]["holder"] == self.LABEL  # the label as stored
+
+        shown = target.json("show", "browser/a")["lease"]
+        assert (shown["task_id"], shown["task"], shown["args"]) == got["browser/a"]
+
+        text = target.run("show", "browser/a")
+        assert text.returncode == 0, text.stderr
+        assert f"holder:      {self.LABEL}\n" in text.stdout
+        assert "task id:     task-aaa\n" in text.stdout
+        assert "task:        proj.drive_browser\n" in text.stdout
+        assert "args:        (42,) {'mode': 'fast'}\n" in text.stdout
+        listed = target.run("ls").stdout.splitlines()
+        (row,) = [line for line in listed if line.startswith("browser/a ")]
+        assert self.LABEL in row and row.split()[-1] == "task-aaa"
 
 
 class TestShowIdentityRecords:
@@ -211,6 +256,32 @@ class TestHumanOutput:
         assert "1 warning(s)" in one_line_error(done)
 
 
+class TestCheckVerdict:
+    def test_json_ok_agrees_with_the_exit_status(self, sqlite_target: Target) -> None:
+        """check --json says ok exactly when the command exits 0: warnings alone do not fail
+        it (the text form says "OK, 1 warning(s)"), --strict makes them fail both forms.
+        Failed before: "ok": false with exit status 0."""
+        plain = sqlite_target.run("check", "--json")
+        assert plain.returncode == 0, plain.stderr
+        report = json.loads(plain.stdout)
+        assert report["warnings"] and "SQLite lease store" in report["warnings"][0]
+        assert report["ok"] is True and report["strict"] is False
+
+        text = sqlite_target.run("check")
+        assert text.returncode == 0, text.stderr
+        assert text.stdout.splitlines()[-1] == "OK, 1 warning(s)"
+
+        strict = sqlite_target.run("check", "--json", "--strict")
+        assert strict.returncode == 1
+        report = json.loads(strict.stdout)
+        assert report["ok"] is False and report["strict"] is True
+        assert "1 warning(s)" in one_line_error(strict)
+
+        text = sqlite_target.run("check", "--strict")
+        assert text.returncode == 1
+        assert text.stdout.splitlines()[-1] == "FAILED: 1 warning(s) under --strict"
+
+
 class TestCheckHumanOutput:
     def test_postgres_report_lines_are_label_space_value(
         self, request: pytest.FixtureRequest, tmp_path: Path
@@ -269,6 +340,29 @@ class TestErrors:
         line = one_line_error(done)
         assert f"127.0.0.1:{port}" in line
         assert "s3cret" not in done.stderr + done.stdout
+
+    @pytest.mark.parametrize("hooked", [False, True])
+    @pytest.mark.parametrize("as_json", [False, True])
+    def test_sweep_dry_run_fails_on_a_store_down(
+        self, monkeypatch: pytest.MonkeyPatch, hooked: bool, as_json: bool
+    ) -> None:
+        """sweep --dry-run against an unreachable store fails like every other command (exit
+        1, one line naming the store, password masked), with or without on_expired hooks.
+        Failed before without hooks: "0 expired lease(s)" (or its JSON) and exit 0."""
+        hooks = [("disposable/", lambda expired: None)] if hooked else []
+        monkeypatch.setattr(_sweeper, "_hooks", hooks)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]  # closed again below: nothing listens there
+        url = f"redis://:s3cret@127.0.0.1:{port}/0"
+        done = lease_here("sweep", "--dry-run", *(["--json"] if as_json else []), env={
+            "CLI_STORE": url
+        })  # fmt: skip
+        assert done.returncode == 1, done.stdout
+        line = one_line_error(done)
+        assert f"127.0.0.1:{port}" in line and "refused the connection" in line
+        assert "s3cret" not in done.stderr + done.stdout
+        assert "expired" not in done.stdout
 
     def test_release_needs_force_and_confirmation(self, sqlite_target: Target) -> None:
         """release refuses without --force, asks without --yes, and a 'no' changes nothing."""

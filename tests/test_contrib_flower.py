@@ -89,6 +89,23 @@ class TestAnnotate:
         assert held.owner.token not in json.dumps(shown.as_dict(), default=str)
         assert "lease" not in task._fields  # Flower's own object is untouched
 
+    def test_a_task_holding_its_lease_is_shown_as_this_task(self, app):
+        """The holder's label names this task id (followed by its task name and arguments):
+        it "holds". Failed before: the name after the task id hid it."""
+        label = "celery@w1:12:t3 charge (3,)"
+        held = get_store(app).acquire("inv:3", Owner.new(label), 30)
+        task = task_from_events(
+            {
+                "type": "task-received",
+                "uuid": "t3",
+                "name": "charge",
+                "args": "(3,)",
+                "kwargs": "{}",
+            }
+        )
+        shown = flower.annotate(copy.copy(task), app).lease
+        assert shown.startswith(f"holds inv:3 with fence {held.fence}")
+
     def test_the_resource_comes_from_the_arguments_without_an_event(self, app):
         """A task that never waited: the resource template over Flower's argument text."""
         task = task_from_events(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import pytest
@@ -28,6 +29,37 @@ def clock(monkeypatch):
 
 def lines(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == eventlog.LOGGER]
+
+
+class TestRedactFastPaths:
+    @staticmethod
+    def reference(value: object) -> str:
+        """redact as it was before its fast paths: both regexes over every text."""
+        text = str(value)
+        if "://" in text:
+            text = eventlog._URL.sub(lambda m: eventlog.mask_url(m.group(0)), text)
+        return eventlog._TOKEN.sub(r"\1...", text)
+
+    def test_the_fast_paths_change_nothing(self):
+        """redact skips its regexes only where they would find nothing: over texts built to sit
+        on those edges (hex runs of 30..66 digits, upper-case ones, URLs with and without a
+        password or a query, text outside latin-1) it gives what the regexes alone give."""
+        rng = random.Random(27)
+        parts = [
+            "x", " ", "'", ":", "/", "@", "?", "é", "\u20ac", "\U0001f600", "\x00", "AB",
+            "redis://db:6379/0", "redis://u:pw@db/0", "https://h/p?password=pw&a=1",
+            "postgresql://u:p%40ss@h/db?sslpassword=x", "://", "-",
+        ]  # fmt: skip
+        for _ in range(3000):
+            pieces = []
+            for _ in range(rng.randint(0, 6)):
+                if rng.random() < 0.4:
+                    digits = "0123456789abcdef" if rng.random() < 0.8 else "0123456789ABCDEF"
+                    pieces.append("".join(rng.choice(digits) for _ in range(rng.randint(28, 66))))
+                else:
+                    pieces.append(rng.choice(parts))
+            text = "".join(pieces)
+            assert eventlog.redact(text) == self.reference(text), repr(text)
 
 
 class TestRateLimit:

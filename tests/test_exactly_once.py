@@ -189,6 +189,21 @@ class TestEffects:
         with pytest.raises(LeaseConfigError, match="identity"):
             job.apply(throw=True)
 
+    def test_a_bad_effect_key_is_named_as_the_effect_key(self, app):
+        """lease.effect() given something other than a key says it is the effect's key that
+        is bad (not "invalid lease resource"), shows it, and says what a key is."""
+
+        @lease_task(app=app, resource="r")
+        def job():
+            current_lease().effect({"charge": 42})
+
+        with pytest.raises(LeaseConfigError) as caught:
+            job.apply(throw=True)
+        message = str(caught.value)
+        assert "lease.effect() key {'charge': 42}" in message, message
+        assert "invalid lease resource" not in message
+        assert "e.g. lease.effect('charge:inv-42')" in message
+
 
 class TestCheckpointsAndReconcile:
     def test_reconcile_sees_the_checkpoints_of_the_attempt_that_did_not_finish(self, app):
@@ -211,6 +226,22 @@ class TestCheckpointsAndReconcile:
         assert isinstance(crawl.apply(("a",), **headers("crawl-a")).result, RuntimeError)
         assert crawl.apply(("a",), **headers("crawl-a")).get() == {"page": 3}
         assert reconciled == [("failed", {"page": 2})]
+
+    def test_a_bad_step_name_is_named_as_the_checkpoint_step(self, app):
+        """lease.checkpoint() given its data where the step name goes says it is the
+        checkpoint's step name that is bad (not "invalid lease resource"), shows the value
+        and says what to pass."""
+
+        @lease_task(app=app, resource="crawl:{site}")
+        def crawl(site):
+            current_lease().checkpoint({"page": 3})
+
+        with pytest.raises(LeaseConfigError) as caught:
+            crawl.apply(("a",), throw=True)
+        message = str(caught.value)
+        assert "lease.checkpoint() step name {'page': 3}" in message, message
+        assert "invalid lease resource" not in message
+        assert "lease.checkpoint('page', {'page': 3})" in message
 
 
 def crash_after_intent(app, resource, identity, key):

@@ -26,7 +26,10 @@ from celery_lease import (
 )
 from celery_lease._app import get_store
 from celery_lease._errors import IdentityDoneError, LeaseStoreError
+from celery_lease._names import MAX_LABEL_LENGTH
+from celery_lease._pid import getpid
 from celery_lease._settings import LeaseSettings
+from celery_lease._task import _names_task
 from tests.conftest import unique
 
 
@@ -346,6 +349,98 @@ class TestErrors:
         assert all(s in str(busy) for s in ("browser/account-42", "w1@host:123:abc", "17"))
         lost = LeaseLostError.lost("invoice:17", 4, "taken_over", "w2@host:9:def", 5)
         assert all(s in str(lost) for s in ("invoice:17", "4", "w2@host:9:def", "taken_over"))
+
+
+def parse_holder(label: str) -> tuple[str | None, str | None, str | None]:
+    from celery_lease._names import parse_holder  # (here: the tests failed before it existed)
+
+    return parse_holder(label)
+
+
+class TestHolderLabel:
+    """The owner label a claim writes names the task and the arguments its sender recorded."""
+
+    @pytest.fixture
+    def label_of(self, app):
+        """Deliver one copy of a lease task as a worker does; return the label its claim wrote."""
+        seen: list[str] = []
+
+        @lease_task(app=app, resource="label:{n}", identity=False, name="proj.drive_browser")
+        def task(n, mode="slow"):
+            seen.append(current_lease().owner_label)
+
+        def deliver(task_id="6f1c-aa", hostname="celery@w1", **request):
+            task.push_request(
+                id=task_id,
+                hostname=hostname,
+                args=(42,),
+                kwargs={"mode": "fast"},
+                is_eager=False,
+                called_directly=False,
+                delivery_info={"exchange": "", "routing_key": "celery"},
+                **request,
+            )
+            try:
+                task(42, mode="fast")
+            finally:
+                task.pop_request()
+            return seen.pop()
+
+        return deliver
+
+    def test_the_label_names_the_task_and_its_recorded_arguments(self, label_of):
+        """host:pid:task-id, then the task's name and Celery's argsrepr and kwargsrepr (what
+        `celery inspect active` shows), which the CLI's parser reads back. Failed before:
+        the label stopped at the task id."""
+        label = label_of(argsrepr="(42,)", kwargsrepr="{'mode': 'fast'}")
+        assert label == f"celery@w1:{getpid()}:6f1c-aa proj.drive_browser (42,) {{'mode': 'fast'}}"
+        assert parse_holder(label) == ("6f1c-aa", "proj.drive_browser", "(42,) {'mode': 'fast'}")
+
+    def test_without_recorded_arguments_only_the_name(self, label_of):
+        """A message whose sender recorded no argument text (eager runs, direct calls, protocol
+        1) and a task with no arguments: the name alone; no repr is made at claim time."""
+        assert label_of() == f"celery@w1:{getpid()}:6f1c-aa proj.drive_browser"
+        label = label_of(argsrepr="()", kwargsrepr="{}")
+        assert label == f"celery@w1:{getpid()}:6f1c-aa proj.drive_browser"
+
+    def test_arguments_are_shortened_and_secrets_left_out(self, label_of):
+        """Long argument text is cut (at most 80 characters, ending in ...); a URL password
+        and an owner-token-like hex run are masked, also where the cut runs through them."""
+        token = "0123456789abcdef" * 3
+        argsrepr = f"('redis://:hunter2@db:6379/0', '{token}', '{'x' * 500}')"
+        label = label_of(argsrepr=argsrepr, kwargsrepr="{}")
+        task_id, name, args = parse_holder(label)
+        assert (task_id, name) == ("6f1c-aa", "proj.drive_browser")
+        assert args.startswith("('redis://:***@db:6379/0', '012345...', 'xxx"), args
+        assert args.endswith("...") and len(args) <= 80  # (MAX_LABEL_ARGUMENTS)
+        assert "hunter2" not in label and token not in label
+        for cut in range(8, 70):  # wherever the cut falls, no part of the password shows
+            argsrepr = f"({'y' * cut!r}, 'postgresql://u:hunter2hunter2@db/app')"
+            label = label_of(argsrepr=argsrepr, kwargsrepr="{}")
+            assert "hunter" not in label and "er2" not in label, label
+
+    def test_the_label_stays_within_the_store_limit_and_keeps_the_task_id(self, label_of):
+        """Whatever the host name's length, the label fits the stores' 200 characters and the
+        task id is never cut for the note: the arguments go first, then the name."""
+        argsrepr = f"({'z' * 300!r},)"
+        read = []
+        for length in (2, 100, 150, 175):
+            label = label_of(hostname="celery@" + "h" * length, argsrepr=argsrepr, kwargsrepr="{}")
+            assert len(label) <= MAX_LABEL_LENGTH, len(label)
+            assert Owner.new(label).label == label  # (nothing cut or cleaned by the owner)
+            task_id, name, args = parse_holder(label)
+            read.append((task_id, name, args and args[:4]))
+        named = ("6f1c-aa", "proj.drive_browser")
+        assert read == [(*named, "('zz"), (*named, "('zz"), (*named, None), ("6f1c-aa", None, None)]
+
+    @pytest.mark.parametrize(("task_id", "other"), [("a b", "a"), ("50%", "50"), ("a%20b", "a b")])
+    def test_odd_task_ids_are_written_so_the_label_names_only_them(self, label_of, task_id, other):
+        """A space or % in a task id is percent-encoded in the label: the label reads back as
+        that task id, and a task id equal to its first word (or to its decoding) is another."""
+        label = label_of(task_id=task_id, argsrepr="(1,)", kwargsrepr="{}")
+        assert parse_holder(label) == (task_id, "proj.drive_browser", "(1,)")
+        assert _names_task(label, task_id)
+        assert not _names_task(label, other)
 
 
 class TestBusyDuplicates:

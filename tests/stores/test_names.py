@@ -33,6 +33,7 @@ import redis
 import sqlalchemy as sa
 
 from celery_lease import LeaseConfigError, LeaseLostError, LeaseStoreError, Owner
+from celery_lease._names import clean_label
 from celery_lease.stores import MemoryLeaseStore
 from celery_lease.stores.redis import RedisLeaseStore
 from celery_lease.stores.sql import SQLLeaseStore
@@ -141,6 +142,17 @@ def fuzz_labels(rng: random.Random) -> str:
     """Owner labels are free text; they are cleaned, never refused."""
     pool = [*OK_CHARS, *NASTY, " "]
     return "".join(rng.choice(pool) for _ in range(rng.choice([0, 1, 10, 199, 200, 300])))
+
+
+def test_clean_label_fast_path_changes_nothing() -> None:
+    """clean_label skips its regex for printable ASCII only, which the regex would leave as it
+    is: over fuzzed labels (NUL, DEL, tabs, unicode look-alikes) it gives what the regex gives."""
+    rng = random.Random(27)
+    extra = ["\x7f", "\t", "\n", "\x1f", "~", " ", "é"]
+    for _ in range(3000):
+        label = fuzz_labels(rng) + "".join(rng.choice(extra) for _ in range(rng.randint(0, 3)))
+        expected = re.sub(r"[^\x21-\x7e ]", "?", label)[:200] or "?"
+        assert clean_label(label) == expected, repr(label)
 
 
 def refused_everywhere(store: Any, name: str) -> None:
