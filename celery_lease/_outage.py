@@ -5,6 +5,9 @@ on its own budget (``lease_store_down_max_wait``). A warning per attempt buried 
 thousands of identical lines; instead each process says once per ``REPORT_EVERY`` seconds that
 the store is down (refusing connections or failing), how many claims failed since the last
 report and when tasks give up, and once, at INFO, when the store answers again.
+
+A fence gate a task admits its fence at right after its claim (``gates=``) fails a claim the
+same way when it cannot be reached; it is reported here too, under its own name (``what``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ REPORT_EVERY = 60.0
 
 
 class _Outage:
-    __slots__ = ("failures", "reported_at", "since", "unreported")
+    __slots__ = ("failures", "reported_at", "since", "unreported", "what")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, what: str) -> None:
+        self.what = what
         self.since = now
         self.failures = 0
         self.unreported = 0
@@ -39,13 +43,19 @@ down: dict[str, _Outage] = {}
 _lock = threading.Lock()
 
 
-def claim_failed(store: str, exc: LeaseStoreError, max_wait: float) -> None:
-    """A claim on ``store`` failed: count it, and warn when no warning went out lately."""
+def claim_failed(
+    store: str, exc: LeaseStoreError, max_wait: float, what: str = "lease store"
+) -> None:
+    """A claim on ``store`` failed: count it, and warn when no warning went out lately.
+
+    ``what`` names the kind of thing that failed in the warning (``"fence gate"`` for a gate
+    of ``gates=``, whose name is then ``store``).
+    """
     now = _clock.monotonic()
     with _lock:
         outage = down.get(store)
         if outage is None:
-            outage = down[store] = _Outage(now)
+            outage = down[store] = _Outage(now, what)
         outage.failures += 1
         outage.unreported += 1
         if outage.reported_at is not None and now - outage.reported_at < REPORT_EVERY:
@@ -54,10 +64,11 @@ def claim_failed(store: str, exc: LeaseStoreError, max_wait: float) -> None:
         count, outage.unreported = outage.unreported, 0
         since = now - outage.since
     log.warning(
-        "celery_lease: the lease store %s %s: %d claim%s failed in this process in the last "
+        "celery_lease: the %s %s %s: %d claim%s failed in this process in the last "
         "%.1fs; each task is sent again after a backoff and fails with LeaseStoreError once "
         "it has waited lease_store_down_max_wait=%gs (this warning repeats at most every %gs "
-        "while the store is down). Last error: %s",
+        "while it is down). Last error: %s",
+        outage.what,
         store,
         "refuses connections" if exc.refused else "is failing",
         count,
@@ -75,8 +86,9 @@ def claim_succeeded(store: str) -> None:
         outage = down.pop(store, None)
     if outage is not None:
         log.info(
-            "celery_lease: the lease store %s answers again after %.1fs; %d claim%s failed in "
+            "celery_lease: the %s %s answers again after %.1fs; %d claim%s failed in "
             "this process meanwhile",
+            outage.what,
             store,
             _clock.monotonic() - outage.since,
             outage.failures,

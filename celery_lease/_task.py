@@ -16,6 +16,9 @@ Outcomes:
   cap): the body is interrupted and the task goes to RETRY with :class:`LeaseLostError`, never
   SUCCESS; lost-lease re-runs have their own budget too.
 * eager (``apply()``) and direct calls never spin: a busy or lost lease raises at once.
+* gates (``gates=``, see ``_gates``): right after the claim, before ``reconcile`` and the body,
+  each listed gate admits the new fence; a gate that refuses it as stale ends the attempt as a
+  lost lease, one that fails as a store outage does (the lease is given back first).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import logging
 import random
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import fields
 from functools import partial
@@ -67,6 +70,7 @@ from ._errors import (
 )
 from ._eventlog import SHORTEN_LOOKAHEAD, lease_log, shorten
 from ._eventlog import log as event_log
+from ._gates import Gate, Gates, Refusal, check_gates
 from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
 from ._lease import Lease, Owner, identity_outcome
 from ._names import (
@@ -131,7 +135,15 @@ CELERY_DECORATOR_OPTIONS = frozenset(
         "shared",
     }
 )
-LEASE_TASK_KEYWORDS = ("resource", "identity", "reconcile", "reconcile_effect", "app", "base")
+LEASE_TASK_KEYWORDS = (
+    "resource",
+    "identity",
+    "gates",
+    "reconcile",
+    "reconcile_effect",
+    "app",
+    "base",
+)
 WAITS_HEADER = "celery_lease_waits"
 LOST_HEADER = "celery_lease_lost_retries"
 STORE_WAITS_HEADER = "celery_lease_store_waits"
@@ -219,6 +231,9 @@ class LeaseTask(Task):  # type: ignore[misc]
     #: The identity template or callable (``"invoice:{invoice_id}"``); None: the message's
     #: ``idempotency_key`` header or the task id; False: no identity (no dedup, no ledger).
     lease_identity: str | Callable[..., str] | bool | None = None
+    #: Gates that admit each new fence right after the claim, before the body: a gate (its key
+    #: is the resource) or a ``(gate, key template or callable)`` pair per entry; see _gates.
+    lease_gates: Sequence[Gate | tuple[Gate, str | Callable[..., str]]] | None = None
     lease_store_url: str | None = None
     lease_ttl: float | None = None
     lease_renew_interval: float | None = None
@@ -261,7 +276,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                     f"{cls.__qualname__}.{name}"
                     f"{did_you_mean(name, _LEASE_ATTRIBUTES)} is not a LeaseTask setting; the "
                     f"settings are {', '.join(f'lease_{n}' for n in SETTING_NAMES)}, plus "
-                    "lease_resource and lease_identity"
+                    "lease_resource, lease_identity and lease_gates"
                 )
 
     @classmethod
@@ -275,6 +290,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if signature is not None:
             specs = {what: _raw_attr(cls, f"lease_{what}") for what in ("resource", "identity")}
             _check_templates(specs, signature, cls.name)
+        check_gates(_raw_attr(cls, "lease_gates"), signature, cls.name)
 
     @classmethod
     def _lease_overrides(cls) -> dict[str, Any]:
@@ -387,6 +403,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         resource = self._resource(compiled, args, kwargs)
         identity = self._identity(compiled, args, kwargs, request)
+        gated = None if compiled.gates is None else compiled.gates.keys(resource, args, kwargs)
         try:
             store = compiled.current_store(task=self)
         except LeaseStoreError as exc:  # the store could not be made: its server is unreachable
@@ -530,6 +547,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                 settings,
                 resource,
             )
+        if gated:
+            self._admit_at_gates(compiled, gated, lease, settings)  # or the attempt ends here
         hook = getattr(self, "reconcile_effect", None)
         if hook is not None:
             lease.reconcile_effect = hook
@@ -553,6 +572,51 @@ class LeaseTask(Task):  # type: ignore[misc]
                 previous_fence=lease.previous_fence,
             )
         return self._run_leased(lease, settings, args, kwargs, direct, request, renewer)
+
+    def _admit_at_gates(
+        self,
+        compiled: _TaskSetup,
+        gated: Sequence[tuple[Any, str]],
+        lease: Lease,
+        settings: LeaseSettings,
+    ) -> None:
+        """Admit the new fence at each of the task's gates (``gates=``), before the body.
+
+        A refusal ends this attempt once the lease is given back (as a claim that did not run
+        the body): a stale fence there as a lost lease (run again later), a key the gate
+        refuses as a bad resource would (LeaseConfigError), any other failure as a lease store
+        outage (sent again on ``lease_store_down_max_wait``).
+        """
+        assert compiled.gates is not None
+        request = self.request
+        try:
+            refusal = compiled.gates.admit(gated, lease, request.id)
+        except BaseException:  # SystemExit, KeyboardInterrupt: the worker stops; give it back
+            self._release(lease, identity_outcome("retry", request.retries or 0), None)
+            raise
+        if refusal is not None:
+            self._release(lease, identity_outcome("retry", request.retries or 0), None)
+            self._gate_refused(refusal, lease, settings)
+
+    def _gate_refused(self, refusal: Refusal, lease: Lease, settings: LeaseSettings) -> Any:
+        error = refusal.error
+        if isinstance(error, StaleFenceError):
+            newer = "a newer fence" if error.highest is None else f"fence {error.highest}"
+            lost = lease.mark_lost(
+                LeaseLostError(
+                    f"lease on {lease.resource!r} with fence {lease.fence} is stale at its claim: "
+                    f"fence gate {refusal.gate} already admitted {newer} for key "
+                    f"{refusal.key!r}; the task runs again later",
+                    lease.resource,
+                    lease.fence,
+                    None,
+                    "stale_fence",
+                )
+            )
+            return self._lease_lost(lost, lease, settings)
+        if isinstance(error, LeaseStoreError):
+            return self._store_down(error, settings, lease.resource, gate=refusal.gate)
+        raise error
 
     def reconcile(self, lease: Lease) -> None:
         """Called before the body when an earlier owner of this work did not finish.
@@ -1302,6 +1366,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         settings: LeaseSettings,
         resource: str,
         listed: bool = False,
+        gate: str | None = None,
     ) -> Any:
         """The store failed at claim time: wait for it, on a budget of its own.
 
@@ -1318,6 +1383,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         was sent with a place to wake and got no answer (``listed``): it may have listed that
         place, and a copy of it may be woken and run while this one waits; it is sent again
         counting one wait, as the copy of a waiter it may be.
+
+        With ``gate`` (its label) it is a fence gate of ``gates=`` that failed after the claim
+        (given back by then): the outage is reported, and the give-up worded, for that gate.
         """
         request = self.request
         if request.is_eager or request.called_directly:
@@ -1331,7 +1399,10 @@ class LeaseTask(Task):  # type: ignore[misc]
         made = self._compiled().store
         store = made.url if made is not None else mask_url(settings.store_url)
         budget = settings.store_down_max_wait
-        outage.claim_failed(store, exc, budget)
+        if gate is None:
+            outage.claim_failed(store, exc, budget)
+        else:
+            outage.claim_failed(gate, exc, budget, what="fence gate")
         now = _clock.wall()
         try:
             since = float(_header(request, STORE_DOWN_HEADER) or now)
@@ -1340,7 +1411,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         waited = max(0.0, now - since)
         if waited >= budget:
             raise LeaseStoreError(
-                f"gave up claiming the lease after waiting {waited:.1f}s for the lease store, "
+                f"gave up claiming the lease after waiting {waited:.1f}s for "
+                f"{'the lease store' if gate is None else f'its fence gate {gate}'}, "
                 f"which {'refuses connections' if exc.refused else 'keeps failing'} "
                 f"(lease_store_down_max_wait={budget:g}s; raise it to wait longer): {exc}",
                 exc.refused,
@@ -1521,8 +1593,9 @@ class _TaskSetup:
     """What a lease task works out once per process (and again after a fork).
 
     Holds the task's resolved ``settings``; the ``resource`` and ``identity`` templates
-    (:class:`NameTemplate`, or None); ``dedup`` (whether calls carry an identity); the ``store``
-    (made at the first claim, see :meth:`current_store`); ``busy_cap`` (the longest busy wait,
+    (:class:`NameTemplate`, or None); its ``gates`` (:class:`Gates`, or None); ``dedup``
+    (whether calls carry an identity); the ``store`` (made at the first claim, see
+    :meth:`current_store`); ``busy_cap`` (the longest busy wait,
     from the broker's visibility timeout); and the ``pid`` and settings ``generation`` it was
     made in (see :func:`forget_resolved_settings`).
     """
@@ -1530,6 +1603,7 @@ class _TaskSetup:
     __slots__ = (
         "busy_cap",
         "dedup",
+        "gates",
         "generation",
         "identity",
         "pid",
@@ -1567,6 +1641,8 @@ class _TaskSetup:
             if identity not in (None, True, False)
             else None
         )
+        gates = _raw_attr(task, "lease_gates")
+        self.gates = Gates(gates, signature, task.name) if gates else None
 
     def current_store(self, task: LeaseTask) -> LeaseStore:
         """The store this call claims in: a test's override, else the app's (made once)."""
@@ -1949,6 +2025,7 @@ def lease_task(
     *args: Any,
     resource: str | Callable[..., str] | None = None,
     identity: str | Callable[..., str] | bool | None = None,
+    gates: Sequence[Gate | tuple[Gate, str | Callable[..., str]]] | None = None,
     reconcile: Callable[[Lease], None] | None = None,
     reconcile_effect: Callable[[str, Lease], Any] | None = None,
     app: Any = None,
@@ -1972,6 +2049,13 @@ def lease_task(
         identity: the execution's identity for dedup and the effect ledger: a template or
             callable like ``resource``; default: the message's ``idempotency_key`` header, else
             the task id; ``False`` turns dedup off for this task.
+        gates: fence gates that admit each new fence right after the claim, before
+            ``reconcile`` and the body, so an older owner's late write is refused there from
+            the claim on, not only from the new owner's first write: gates that do not share
+            the lease store (another database, an HTTP gateway of another service). Each entry
+            is a gate (anything with ``admit(key, fence)``; its key is the resource) or a
+            ``(gate, key)`` pair, the key a template over the task's arguments like
+            ``resource`` (``"account-{account_id}"``) or a callable taking them.
         reconcile: ``reconcile(lease)``, called before the body when an earlier owner of the
             work did not finish (``lease.recovered``).
         reconcile_effect: ``reconcile_effect(key, lease)`` for an effect begun by an earlier
@@ -1983,7 +2067,8 @@ def lease_task(
             ``max_retries``, ``name``, ...).
 
     Raises:
-        LeaseConfigError: no resource, a base that is not a LeaseTask, or a bad setting.
+        LeaseConfigError: no resource, a base that is not a LeaseTask, a bad setting, or a
+            ``gates`` entry that is no gate or a key template naming no parameter.
     """
     base = base or LeaseTask
     if not (isinstance(base, type) and issubclass(base, LeaseTask)):
@@ -2014,6 +2099,10 @@ def lease_task(
         raise LeaseConfigError(
             "lease_task needs resource=, e.g. @lease_task(resource='invoice:{invoice_id}')"
         )
+    if gates is not None:
+        # A copy (checked in define(), where the task's name is known): appending to the
+        # caller's list later changes nothing.
+        attrs["lease_gates"] = tuple(gates) if isinstance(gates, (list, tuple)) else gates
     LeaseSettings.resolve(None, {name: attrs.get(f"lease_{name}") for name in SETTING_NAMES})
     for name in options:
         if name not in CELERY_DECORATOR_OPTIONS and not hasattr(base, name):
@@ -2026,7 +2115,7 @@ def lease_task(
             raise LeaseConfigError(
                 f"@lease_task got an unknown keyword {name!r}{did_you_mean(name, candidates)}; "
                 f"it takes the lease settings ({', '.join(SETTING_NAMES)}), resource, identity, "
-                "reconcile, reconcile_effect, app, base and Celery's task options; a task "
+                "gates, reconcile, reconcile_effect, app, base and Celery's task options; a task "
                 "attribute of your own goes on a LeaseTask subclass passed as base="
             )
     specs = {
@@ -2046,6 +2135,7 @@ def lease_task(
             signature = signature.replace(parameters=list(signature.parameters.values())[1:])
         name = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
         _check_templates(specs, signature, name)
+        check_gates(attrs.get("lease_gates", _raw_attr(base, "lease_gates")), signature, name)
         return decorator(fun)
 
     if len(args) == 1 and callable(args[0]) and not options:

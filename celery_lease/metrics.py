@@ -68,6 +68,14 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "celery_lease_releases_total": ("Leases released by their owner", ()),
     "celery_lease_stale_fence_rejections_total": ("Writes rejected for a stale fence", ()),
+    "celery_lease_gate_admit_failures_total": (
+        "Claims whose new fence a gate of gates= did not admit, by reason: stale (the gate had "
+        "admitted a newer fence: the lease is lost, the task runs again later), unreachable "
+        "(the gate failed: the lease is given back and the claim waits as on a store outage), "
+        "slow (the admits ended past the self-fence deadline: the same), config (a key the "
+        "gate refuses)",
+        ("reason",),
+    ),
     "celery_lease_busy_waits_total": ("Tasks re-queued to wait for a busy resource", ()),
     "celery_lease_wait_list_full_total": (
         "Refused claims that asked to join the wait list and found it at its cap (they wait "

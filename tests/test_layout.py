@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("store factory", {"stores", "stores.urls"}),
     ("celery wiring", {"_app", "_wakes", "fencing"}),
-    ("tasks", {"_task", "_sweeper", "_release"}),
+    ("tasks", {"_task", "_gates", "_sweeper", "_release"}),
     (
         "entry points",
         {

@@ -396,6 +396,94 @@ def paused_writer(
     return lease.fence
 
 
+class FarGate:
+    """A FenceGate in another store than the leases' (``CL_FAR_GATE``: another Redis database,
+    or PostgreSQL; its key prefix or table prefix ``CL_FAR_PREFIX``), made at the first admit
+    in each process: the test process imports this module too and connects nowhere for it.
+    It is a gate of the user's own kind (it has ``admit(key, fence)``), as ``gates=`` takes."""
+
+    def __init__(self) -> None:
+        self._gate: FenceGate | None = None
+        self._pid: int | None = None
+
+    @property
+    def url(self) -> str:  # (how the library names this gate: its class and URL)
+        return env.get("CL_FAR_GATE", "")
+
+    def gate(self) -> FenceGate:
+        if self._gate is None or self._pid != os.getpid():
+            url, prefix = env["CL_FAR_GATE"], env["CL_FAR_PREFIX"]
+            option = "key_prefix" if url.startswith("redis") else "table_prefix"
+            self._gate, self._pid = FenceGate(url, **{option: prefix}), os.getpid()
+        return self._gate
+
+    def admit(self, key: str, fence: int) -> int:
+        return self.gate().admit(key, fence)
+
+
+far_gate = FarGate()
+
+
+def _far_write(task: Any, account: str, role: str) -> int:
+    """A step of an agent on one account: an older owner (``role="first"``, its first run
+    only) is frozen by the test right before its write and never learns of its loss; a newer
+    owner (``"second"``) sits in a long model call before its own write. Each writes through
+    the far gate (``account-<account>``), as the README's pattern does, right before the write.
+    """
+    lease = current_lease()
+    events_key = env["CL_EVENTS"]
+    report(
+        "start",
+        account=account,
+        role=role,
+        fence=lease.fence,
+        task=task.request.id,
+        previous_fence=lease.previous_fence,
+    )
+    if role == "first" and coord().set(f"{events_key}:paused:{account}", 1, nx=True):
+        # An owner stuck where no interrupt reaches it (a call in C, a frozen VM): it never
+        # learns that its lease ran out, so only the gate can refuse its write.
+        forget_interrupt()
+        report("ready", account=account, role=role, fence=lease.fence, task=task.request.id)
+        coord().set(f"{events_key}:ready:{account}", os.getpid())
+        wait_for_key(f"{events_key}:go:{account}")  # the test SIGSTOPs this process here
+    elif role == "second":
+        report("model_call", account=account, fence=lease.fence, task=task.request.id)
+        wait_for_key(f"{events_key}:model_done:{account}", timeout=60.0, poll=0.05)
+    try:
+        far_gate.admit(f"account-{account}", lease.fence)
+    except StaleFenceError as exc:
+        report("rejected", account=account, role=role, fence=lease.fence, highest=exc.highest)
+        raise
+    report("write", account=account, role=role, fence=lease.fence, task=task.request.id)
+    return lease.fence
+
+
+@lease_task(
+    app=app,
+    resource="browser/account-{account}",
+    bind=True,
+    gates=[(far_gate, "account-{account}")],
+)
+def far_writer(self: Any, account: str, role: str) -> int:
+    """Admits its fence at the far gate right after its claim (gates=), then _far_write."""
+    return _far_write(self, account, role)
+
+
+@lease_task(app=app, resource="browser/account-{account}", bind=True)
+def far_writer_ungated(self: Any, account: str, role: str) -> int:
+    """The same step without gates= (the negative control): the far gate learns a fence only
+    from a write."""
+    return _far_write(self, account, role)
+
+
+@lease_task(app=app, resource="browser/account-{account}", bind=True)
+def account_touch(self: Any, account: str) -> int:
+    """Claims the account's resource and returns its fence: shows that nobody holds it."""
+    report("touch", account=account, fence=current_lease().fence, task=self.request.id)
+    return current_lease().fence
+
+
 @lease_task(app=app, resource="slow-{n}", bind=True)
 def slow_call(self: Any, n: int, seconds: float, ignore_loss: bool = False) -> dict[str, Any]:
     """Blocks like a slow model call, longer than the ttl; reports how it ended.
