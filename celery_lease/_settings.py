@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 ON_BUSY = ("retry", "skip", "fail")
+#: The orders waiters on one resource may run in: as they arrive at the store, or as their
+#: messages were published (issue 33, item 6).
+ORDERS = ("arrival", "publish")
 
 #: Seconds a store call may take before it times out, at the least (the stores' socket and
 #: statement timeouts are ttl - margin - renew_interval, see ``_app.store_timeout``, but never
@@ -94,6 +97,7 @@ class LeaseSettings:
     handoff_max_payload: int = DEFAULT_HANDOFF_MAX_PAYLOAD
     handoff_wake_queue: bool = True
     handoff_early_wake: bool = True
+    order: str = "arrival"
     retention: float = DEFAULT_RETENTION
 
     def __repr__(self) -> str:
@@ -196,16 +200,22 @@ class LeaseSettings:
                 raise LeaseConfigError(
                     f"lease_handoff_max_payload={show_value(value)} must be a whole number of "
                     f"bytes >= 1 and at most {WAIT_BYTES_CAP} (a store's wait_bytes_cap, the "
-                    "whole budget of a wait list: a bigger message is never listed; default "
-                    f"{DEFAULT_HANDOFF_MAX_PAYLOAD}); a task whose wake message is bigger waits "
-                    "with the back-off instead of in the wait list; to keep every task out of "
-                    "the wait list set lease_handoff=False"
+                    "whole budget of a wait list: a bigger message is never kept; default "
+                    f"{DEFAULT_HANDOFF_MAX_PAYLOAD}); a task whose wake message is bigger polls "
+                    "in its place in the wait list instead of being woken; to keep every task "
+                    "out of the wait list set lease_handoff=False"
                 )
         for name in ("handoff_wake_queue", "handoff_early_wake"):
             if name in values and not isinstance(values[name], bool):
                 raise LeaseConfigError(
                     f"lease_{name}={show_value(values[name])} must be True or False"
                 )
+        if values.get("order", "arrival") not in ORDERS:
+            raise LeaseConfigError(
+                f"lease_order={show_value(values['order'])} must be one of "
+                f"{', '.join(map(repr, ORDERS))} (publish: waiters on one resource run in the "
+                "order their messages were published)"
+            )
         if values.get("on_busy", "retry") not in ON_BUSY:
             raise LeaseConfigError(
                 f"lease_on_busy={show_value(values['on_busy'])} must be one of "
@@ -386,9 +396,11 @@ SETTINGS_DOC = {
     "idempotency_key header, or the task id) so a duplicate delivery of a completed one "
     "returns its result instead of running (True)",
     "handoff": "a busy task joins the resource's FIFO wait list and is woken at release "
-    "(every store; needs an identity and on_busy='retry') (True)",
+    "(every store; with on_busy='retry'; a task without an identity polls in its place) (True)",
     "handoff_max_payload": "most bytes of a task's wake message (its message, sent again when "
-    "woken) for it to join the wait list; a bigger one waits with the back-off (8192)",
+    "woken) for the wait list to keep it; a bigger one polls in its place (8192)",
+    "order": "the order waiters on one resource run in: arrival (as their claims reach the "
+    "store) or publish (as their messages were published, by the publisher's clock) (arrival)",
     "handoff_wake_queue": "workers consume a wake queue beside each task queue (Q.lease-wake) "
     "and a woken waiter's message goes there, not behind Q's backlog (Redis and AMQP brokers) "
     "(True)",

@@ -24,6 +24,7 @@ Outcomes:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import json.encoder
@@ -97,6 +98,7 @@ from ._wakes import (
     send_wake,
 )
 from ._wakes import to_wake_queue as _to_wake_queue
+from .stores._bounds import POLL
 
 if TYPE_CHECKING:
     from .stores import LeaseStore
@@ -154,6 +156,10 @@ STORE_WAITS_HEADER = "celery_lease_store_waits"
 #: route (the tests' negative control sets False): on its task queue it waited behind the
 #: burst's first attempts, 0.5-0.8 s where 20 ms was meant.
 EARLY_RETRY_VIA_WAKE_QUEUE = True
+#: Whether a waiter that cannot have its message kept (no identity, a message over its bound)
+#: polls in a place in the wait list (the tests' negative control sets False: it then waits
+#: with the back-off, not listed, as before issue 32).
+POLLING_PLACES = True
 #: An early wake only follows a body shorter than this (seconds): the claim's guess at the
 #: next waiter grows stale as the body runs (a back-stop copy re-arms it with a new message),
 #: and past a few seconds the round trip it saves is noise.
@@ -164,6 +170,11 @@ STORE_DOWN_HEADER = "celery_lease_store_down_since"
 #: claim listed or re-armed its place. A woken copy listed longer ago than
 #: ``store_down_max_wait`` may have a sibling copy that gave up on an unreachable store.
 LISTED_HEADER = "celery_lease_listed_at"
+#: How many times this copy of a waiter in a polling place came back (see _lease_busy).
+POLLS_HEADER = "celery_lease_polls"
+#: When (microseconds since the epoch, the publisher's clock) a task with order="publish" was
+#: published: its place in the wait list is by it (stores' ``acquire(since=...)``).
+PUBLISHED_HEADER = "celery_lease_published_at"
 #: The share of ``store_down_max_wait`` by which a woken copy reads the result backend early
 #: (see ``_sibling_may_have_given_up``): the listing and the give-up are stamped on the wall
 #: clocks of the workers involved, so this tolerates clocks apart by up to a quarter of the
@@ -257,6 +268,7 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_handoff_max_payload: int | None = None
     lease_handoff_wake_queue: bool | None = None
     lease_handoff_early_wake: bool | None = None
+    lease_order: str | None = None
     lease_retention: float | None = None
 
     _lease_settings_cache: tuple[int, LeaseSettings] | None = None  # (Resolved.generation, ..)
@@ -392,6 +404,15 @@ class LeaseTask(Task):  # type: ignore[misc]
             f"identity ({IDENTITY_RULE})"
         )
 
+    def apply_async(self, *args: Any, **options: Any) -> Any:
+        """As ``Task.apply_async``; with ``order="publish"``, the message says when it was
+        published (this process's clock), which places it in its resource's wait list."""
+        if self.lease_settings.order == "publish":
+            headers = options.get("headers") or {}
+            if PUBLISHED_HEADER not in headers:
+                options["headers"] = {**headers, PUBLISHED_HEADER: int(_clock.wall() * 1e6)}
+        return super().apply_async(*args, **options)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         if request.get(ROUTE_HEADER) is not None:  # woken through a wake queue (or stale)
@@ -411,10 +432,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         owner = Owner.fresh(_owner_label(request, self.name))
         renewer = get_renewer()
         renewer.prepare(store)  # the renewal connection opens while the claim runs
-        wait, too_large = None, 0
-        waiting = (
-            settings.handoff and identity is not None and settings.on_busy == "retry" and not direct
-        )
+        wait, too_large, poll, waiter = None, 0, None, None
+        can_wait = settings.handoff and settings.on_busy == "retry" and not direct
+        waiting = can_wait and identity is not None
         # Sent before the release that wakes it (see _release): its claim must not re-arm the
         # place, which that release may not have woken yet (it then wakes it, not again).
         early = waiting and _header(request, EARLY_HEADER) is not None
@@ -434,8 +454,22 @@ class LeaseTask(Task):  # type: ignore[misc]
                 # re-armed rather than left to lapse out of the list.
                 size = _bound_size(wait[0], request)
                 if size > settings.handoff_max_payload:
-                    too_large, wait = size, None  # not listed: waits with the back-off
-        if wait is not None or (
+                    # it polls in its place
+                    too_large, wait = size, (POLL, wait[1]) if POLLING_PLACES else None
+        elif (
+            can_wait
+            and identity is None
+            and not request.is_eager
+            and request.id is not None
+            and POLLING_PLACES
+        ):
+            # No identity to tell two copies apart: no message to wake, one copy at a time
+            # that polls in a place named by its task id (invariant 12).
+            wait, waiter = (POLL, self._wait_ttl(0, settings)), _waiter_name(request.id)
+        if wait is not None and wait[0] == POLL:
+            # (comes back by itself: once a grace, so it is there when its turn comes)
+            poll = float(getattr(store, "handoff_grace", 2.0))
+        elif wait is not None or (
             waiting and int(_header(request, WAITS_HEADER) or 0) >= settings.busy_max_waits
         ):
             # (its last allowed wait sends no place to wake, but a copy of this waiter that
@@ -444,6 +478,8 @@ class LeaseTask(Task):  # type: ignore[misc]
         claim_started = _clock.monotonic()
         try:
             if wait is not None:
+                if waiter is not None or settings.order == "publish":
+                    extra = {**extra, **_place_options(request, waiter, settings)}
                 lease = store.acquire(
                     resource,
                     owner,
@@ -479,16 +515,25 @@ class LeaseTask(Task):  # type: ignore[misc]
             _observe_acquire(claim_started, "busy")
             # (every store of this package has a wait_cap; a third-party one may not)
             cap = budget = None
-            if wait is not None:
+            if wait is not None and wait[0] != POLL:
                 cap = _wait_bounds(store)
                 budget = getattr(store, "wait_bytes_cap", None)
-                if not busy.position and budget is not None and len(wait[0]) > budget:
+                if (
+                    (not busy.position or busy.polling)
+                    and budget is not None
+                    and len(wait[0]) > budget
+                ):
                     # bigger than the list's whole budget: too large, not "the list is full"
                     too_large, cap = len(wait[0]), None
                 else:
                     budget = None
             return self._lease_busy(
-                busy, settings, wait_cap=cap, too_large=too_large, budget=budget
+                busy,
+                settings,
+                wait_cap=cap,
+                too_large=too_large,
+                budget=budget,
+                poll=poll if poll is not None else float(getattr(store, "handoff_grace", 2.0)),
             )
         except LeaseStoreError as exc:
             _observe_acquire(claim_started, "error")
@@ -1013,6 +1058,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if (
             early
             and upcoming is not None
+            and upcoming != POLL  # (a polling waiter comes back by itself)
             and held_since is not None
             and lease.lost is None
             and _clock.monotonic() - held_since < EARLY_WAKE_MAX_HELD
@@ -1128,6 +1174,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         else:
             headers = {WAITS_HEADER: waits + 1}
         headers[LISTED_HEADER] = int(_listed_at(request))  # (ten digits: a constant size)
+        published = _header(request, PUBLISHED_HEADER)
+        if published is not None:  # (order="publish": every copy keeps when it was published)
+            headers[PUBLISHED_HEADER] = published
         options["headers"] = headers
         options["retries"] = request.retries or 0
         if request.ignore_result or self.ignore_result:
@@ -1198,11 +1247,13 @@ class LeaseTask(Task):  # type: ignore[misc]
         wait_cap: str | None = None,
         too_large: int = 0,
         budget: int | None = None,
+        poll: float = 2.0,
     ) -> Any:
         """A refused claim: wait (re-queue), fail or skip; ``wait_cap`` tells the store's wait
         list bounds when the claim asked to join the wait list (None when it did not);
         ``too_large`` the size of a wake message too big to ask (0: none), or too big for the
-        store's whole wait list budget (``budget``, its wait_bytes_cap) when that is given."""
+        store's whole wait list budget (``budget``, its wait_bytes_cap) when that is given;
+        ``poll``: how often a copy in a polling place comes back (the store's grace)."""
         events.count("celery_lease_claim_conflicts_total")
         request = self.request
         if request.is_eager or request.called_directly:
@@ -1264,6 +1315,62 @@ class LeaseTask(Task):  # type: ignore[misc]
                 *busy.args[1:],
             )
         full = too_big = None
+        polls = _count(_header(request, POLLS_HEADER))
+        if busy.position and busy.polling and not duplicate:
+            # Its place polls (invariant 12): nobody sends its message, so this copy comes
+            # back once a grace, to be there when its turn comes (the free resource is then
+            # held for it two graces). Polls are no busy waits: its place keeps its turn.
+            events.observe("celery_lease_wait_list_length", float(busy.position))
+            delay = min(self._busy_delay(0, settings), poll)
+            if too_large:
+                events.count("celery_lease_wait_payload_too_large_total")
+                if budget is None:
+                    too_big = f"{too_large} > {settings.handoff_max_payload} bytes"
+                    over = f"lease_handoff_max_payload={settings.handoff_max_payload}"
+                else:
+                    too_big = f"{too_large} > {budget} bytes (wait_bytes_cap)"
+                    over = (
+                        f"the store's whole wait list budget (wait_bytes_cap {budget} bytes; "
+                        f"lease_handoff_max_payload={settings.handoff_max_payload})"
+                    )
+                why = f"its wake message is {too_large} bytes, over {over}"
+            elif not self._compiled().dedup:
+                why = "it has no identity to tell its copies apart (identity=False)"
+            else:
+                events.count("celery_lease_wait_list_full_total")
+                full = wait_cap or "at its cap"
+                why = f"its wait list had no room for its message ({full})"
+            self._log(
+                "busy",
+                logging.INFO,
+                busy.resource,
+                busy.fence,
+                busy.holder_label,
+                action="poll",
+                wait=f"{delay:.2f}s",
+                position=busy.position,
+                wait_list_full=full,
+                wait_payload_too_large=too_big,
+            )
+            if not polls:  # (said once, with the state RETRY; later polls store nothing)
+                busy = LeaseBusyError(
+                    f"{busy} ({why}: it polls in its place, coming back every {delay:.1f}s)",
+                    *busy.args[1:],
+                )
+                self._lease_event(
+                    "task-lease-busy", action="poll", wait=delay, **_busy_fields(busy)
+                )
+            events.count("celery_lease_busy_waits_total")
+            updates: dict[str, Any] = {
+                POLLS_HEADER: polls + 1,
+                STORE_WAITS_HEADER: None,
+                STORE_DOWN_HEADER: None,
+                WOKEN_HEADER: None,
+                EARLY_HEADER: None,
+            }
+            return self._requeue(
+                busy, delay, updates, store=not polls and not waits and not self.track_started
+            )
         if busy.position:  # queued: the release wakes it; this copy is the back-stop
             events.observe("celery_lease_wait_list_length", float(busy.position))
             delay = self._backstop_delay(waits, settings)
@@ -1534,6 +1641,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         """
         request = self.request
         headers = dict(request.headers or {})
+        published = _header(request, PUBLISHED_HEADER)
+        if published is not None:  # (order="publish": every copy keeps when it was published)
+            headers[PUBLISHED_HEADER] = published
         headers.pop(ROUTE_HEADER, None)  # (it goes on the route the copy was sent on)
         for header, value in updates.items():
             if value is None:
@@ -1816,6 +1926,27 @@ def _execution_options(request: Any) -> dict[str, Any]:
     if stamps is not None and stamped is not None:
         options["stamped_headers"] = stamped
         options.update((k, v) for k, v in stamps.items() if k in stamped and v is not None)
+    return options
+
+
+def _waiter_name(task_id: str) -> str:
+    """The name of the place of a task without an identity: its task id, or a digest of it
+    where the id is no valid name (a space, a %: the names' rule is the resources')."""
+    if _RESOURCE_RE.fullmatch(task_id):
+        return task_id
+    return "task-" + hashlib.sha256(task_id.encode()).hexdigest()[:40]
+
+
+def _place_options(request: Any, waiter: str | None, settings: LeaseSettings) -> dict[str, Any]:
+    """The claim's options that name and order its place: ``waiter`` (a task without an
+    identity: its task id) and, with ``order="publish"``, when its message was published."""
+    options: dict[str, Any] = {}
+    if waiter is not None:
+        options["waiter"] = waiter
+    if settings.order == "publish":
+        published = _header(request, PUBLISHED_HEADER)
+        with contextlib.suppress(TypeError, ValueError):  # (not ours: placed by arrival)
+            options["since"] = int(published)
     return options
 
 

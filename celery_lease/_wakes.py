@@ -37,6 +37,7 @@ from . import _clock
 from . import _events as events
 from ._errors import LeaseError
 from ._pid import getpid
+from .stores._bounds import POLL
 
 if TYPE_CHECKING:
     from .stores.base import LeaseStore
@@ -164,8 +165,13 @@ def send_wake(
     its queue's wake queue (None: as the waiting task's settings say); ``store``: the store
     whose wait list woke it, to check once the wake's grace is over that the turn went on
     (a turn check, see :class:`Waker`). A send that fails leaves the waiter to its back-stop
-    copy and to the next pass over the wait lists.
+    copy and to the next pass over the wait lists. A polling place's payload (``POLL``) has
+    nothing to send: its task comes back by itself; its turn is checked all the same.
     """
+    if payload == POLL:
+        if store is not None:
+            get_waker().after_wake(app, store, resource)
+        return True
     try:
         message = json.loads(payload)
         options = message["options"]
@@ -233,6 +239,9 @@ def pass_turn(
     """
     sent = 0
     for due in store.wake_due(resources=resources):
+        if due.payload == POLL:  # (a polling waiter: it comes back by itself)
+            send_wake(app, due.payload, due.resource, by, store=None if due.again else store)
+            continue
         again = "again" if due.again else None
         if send_wake(app, due.payload, due.resource, by, store=None if due.again else store):
             sent += 1

@@ -295,8 +295,10 @@ def bound_app(request, tmp_path):
 
 
 class TestWakeMessageBound:
-    """A task whose wake message is over lease_handoff_max_payload does not join the wait list:
-    it waits with the back-off, and says so (message, log field, metric), on every store."""
+    """A task whose wake message is over lease_handoff_max_payload does not have it kept: it
+    polls in its place in the wait list (invariant 12), and says so (message, log field,
+    metric), on every store. Before (issue 32, item 2): it was not listed at all, and listed
+    later arrivals overtook it."""
 
     @staticmethod
     def _deliver(task, blob):
@@ -331,17 +333,18 @@ class TestWakeMessageBound:
         before = metrics.snapshot().get(key, 0)
         with caplog.at_level(logging.INFO, logger="celery_lease"):
             big = self._deliver(t, "x" * 1000)
-        assert big.position is None
+        assert (big.position, big.polling) == (1, True)
         assert "its wake message is " in str(big)
-        assert "bytes, over lease_handoff_max_payload=600: waiting with the back-off" in str(big)
+        assert "bytes, over lease_handoff_max_payload=600: it polls in its place" in str(big)
         assert metrics.snapshot().get(key, 0) == before + 1
         assert "wait_payload_too_large=" in caplog.text
-        assert store.waiters(r) == []  # nothing listed, nothing dropped: its copy waits
-        # Control: a small message joins the list as before, and is not counted.
+        assert len(store.waiters(r)) == 1  # listed, its message not kept: its copy polls
+        # Control: a small message joins the list with its message, and is not counted.
         small = self._deliver(t, "x")
-        assert small.position == 1 and "lease_handoff_max_payload" not in str(small)
+        assert (small.position, small.polling) == (2, False)
+        assert "lease_handoff_max_payload" not in str(small)
         assert metrics.snapshot().get(key, 0) == before + 1
-        assert len(store.waiters(r)) == 1
+        assert len(store.waiters(r)) == 2
         store.release(held)
 
 
@@ -363,15 +366,16 @@ class TestMessageOverTheWholeBudget:
         before = metrics.snapshot().get(key, 0)
         with caplog.at_level(logging.INFO, logger="celery_lease"):
             big = TestWakeMessageBound._deliver(t, "x" * 370)  # about 590 bytes
-        assert big.position is None and store.waiters(r) == []
+        assert big.position == 1 and big.polling and len(store.waiters(r)) == 1
         message = str(big)
-        assert "wait list is full" not in message
+        assert "no room" not in message
         assert "over the store's whole wait list budget (wait_bytes_cap 500 bytes; " in message
         assert "lease_handoff_max_payload=600)" in message
         assert metrics.snapshot().get(key, 0) == before + 1
         assert "wait_payload_too_large=" in caplog.text
-        # Control: a message that fits the budget joins.
-        assert TestWakeMessageBound._deliver(t, "x").position == 1
+        # Control: a message that fits the budget joins with its message.
+        small = TestWakeMessageBound._deliver(t, "x")
+        assert (small.position, small.polling) == (2, False)
         store.release(held)
 
 
@@ -433,9 +437,10 @@ class TestListedWaiterGrowingPastTheBound:
         assert "lease_handoff_max_payload" not in str(again)
         assert store.waiters(r)[0].expires_at >= place.expires_at
         # Control: a message over the bound without its counter (600 bytes and a digit of
-        # counter take n + 1 bytes of arguments) is not listed.
+        # counter take n + 1 bytes of arguments) polls in its place, its message not kept.
         other = self._deliver(t, "z" * (n + 2), unique("task"), 8)
-        assert other.position is None and "over lease_handoff_max_payload=600" in str(other)
+        assert (other.position, other.polling) == (2, True)
+        assert "over lease_handoff_max_payload=600" in str(other)
         store.release(held)
 
 

@@ -271,9 +271,7 @@ class MemoryLeaseStore(BaseLeaseStore):
                     checkpoints = decode(ckpt[1]) if ckpt else None
             else:
                 held = (
-                    None
-                    if self._slow.get(resource, 0) > now
-                    else _held(waits, name, now, attempt)
+                    None if self._slow.get(resource, 0) > now else _held(waits, name, now, attempt)
                 )
                 if held is not None:
                     # held for a waiter ahead of this claim (never woken, or woken within its

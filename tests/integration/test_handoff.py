@@ -81,11 +81,14 @@ def test_waiters_run_in_arrival_order_without_overlap(
 def test_negative_control_with_the_back_off_alone_later_arrivals_overtake(
     it_app, start_worker, store_env, events, queue, kind, off
 ):
-    """The off switch, or no identity: no wait list; the jittered back-off lets later arrivals
-    in first."""
+    """The off switch, or no identity without its polling place (CL_POLLING=0, as before issue
+    32): no wait list; the jittered back-off lets later arrivals in first. (With its polling
+    place, a task without identity keeps its turn: tests/integration/test_handoff_line.py.)"""
     env = {**store_env(kind), **ENV}
     if off == "lease_handoff=False":
         env["CL_HANDOFF"] = "0"
+    else:
+        env["CL_POLLING"] = "0"
     for _ in range(2):
         start_worker(env, queue=queue, pool="threads", concurrency=3)
     task = it_app.fifo_hold if off == "lease_handoff=False" else it_app.fifo_hold_backoff

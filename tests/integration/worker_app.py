@@ -74,6 +74,12 @@ if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
     _store_base.DEFAULT_HANDOFF_GRACE = float(
         env.get("CL_HANDOFF_GRACE") or _store_base.DEFAULT_HANDOFF_GRACE
     )
+if env.get("CL_HANDOFF_MAX_PAYLOAD"):
+    app.conf.lease_handoff_max_payload = int(env["CL_HANDOFF_MAX_PAYLOAD"])
+if env.get("CL_POLLING") == "0":  # the negative control of the polling places
+    import celery_lease._task as _task_module
+
+    _task_module.POLLING_PLACES = False
 if env.get("CL_PASS_THE_TURN") == "0":  # the negative control of the turn checks and passes
     from celery_lease import _wakes
 
@@ -865,6 +871,18 @@ class _RefusesWokenCopies(celery_lease.LeaseTask):
 @lease_task(app=app, resource="fifo-{n}", bind=True, base=_RefusesWokenCopies)
 def fifo_hold_refusing(self: Any, n: int, k: int, hold: float) -> int:
     """fifo_hold whose woken copies of k=1 fail in before_start, never claiming."""
+    return _fifo_body(self, n, k, hold)
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True)
+def fifo_blob(self: Any, n: int, k: int, blob: str) -> int:
+    """fifo_hold with a big argument (its wake message may be over the bound) and a short hold."""
+    return _fifo_body(self, n, k, 0.1)
+
+
+@lease_task(app=app, resource="fifo-{n}", bind=True, order="publish")
+def fifo_ordered(self: Any, n: int, k: int, hold: float) -> int:
+    """fifo_hold whose waiters run in the order they were published (order="publish")."""
     return _fifo_body(self, n, k, hold)
 
 

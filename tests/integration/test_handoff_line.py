@@ -1,0 +1,114 @@
+"""Every waiter in one line, and publish order when asked (issue 32 item 2, issue 33 item 6).
+
+A waiter that cannot have its message kept for a wake (``identity=False``: nothing tells two
+copies of it apart; a message over ``lease_handoff_max_payload``; a full list) polls in a place
+of its own in the wait list: while its place comes up, the free resource is held for it, so a
+steady stream of listed later arrivals no longer overtakes it. Negative control
+(``CL_POLLING=0``: such a waiter is not listed, as before): the listed later arrivals run first.
+
+``order="publish"``: steps of one account published in order, refused while the account is
+busy and claimed by two workers in whatever order their claims reach the store, run in the
+order they were published. Negative control: the default order (arrival) mixes them up.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import unique
+from tests.tooling.servers import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENV = {"CL_TTL": "5", "CL_BACKOFF_BASE": "0.05", "CL_BACKOFF_CAP": "5", "CL_HANDOFF_GRACE": "0.5"}
+LATER = 8  # listed arrivals after the waiter that cannot be woken
+
+
+def _entered(events, n):
+    return [e["k"] for e in events.all() if e.get("res") == n and e["ev"] == "enter"]
+
+
+def _stream_behind(it_app, events, queue, n, first):
+    """H holds; ``first`` (k=1) arrives and is refused; then LATER listed waiters, each once the
+    one before was refused. Returns all results."""
+    results = [it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)]
+    events.wait(ev="enter", res=n, k=0)
+    results.append(first.apply_async((n, 1, 0.1), queue=queue))
+    events.wait(ev="retry", task=results[-1].id)
+    for k in range(2, LATER + 2):
+        results.append(it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue))
+        events.wait(ev="retry", task=results[-1].id)
+    return results
+
+
+@pytest.mark.parametrize("polling", ["on", "off"])
+def test_a_waiter_without_identity_keeps_its_turn(
+    it_app, start_worker, store_env, events, queue, polling
+):
+    env = {**store_env("redis"), **ENV}
+    if polling == "off":
+        env["CL_POLLING"] = "0"
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("l")
+    results = _stream_behind(it_app, events, queue, n, it_app.fifo_hold_backoff)
+    wait_for(lambda: all(r.state == "SUCCESS" for r in results), 90, "every task to succeed")
+    order = _entered(events, n)
+    if polling == "off":  # not listed: every listed later arrival goes first
+        assert order.index(1) > 2, f"the unlisted waiter ran at {order.index(1)} of {order}"
+    else:
+        assert order[:2] == [0, 1], f"bodies ran {order}: the polling waiter was overtaken"
+        assert sorted(order) == list(range(LATER + 2))
+
+
+def test_a_waiter_whose_message_is_too_big_keeps_its_turn(
+    it_app, start_worker, store_env, events, queue
+):
+    """The same for a message over lease_handoff_max_payload (a big argument)."""
+    env = {**store_env("redis"), **ENV, "CL_HANDOFF_MAX_PAYLOAD": "600"}
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("l")
+    results = [it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)]
+    events.wait(ev="enter", res=n, k=0)
+    results.append(it_app.fifo_blob.apply_async((n, 1, "x" * 1000), queue=queue))
+    events.wait(ev="retry", task=results[-1].id)
+    for k in range(2, LATER + 2):
+        results.append(it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue))
+        events.wait(ev="retry", task=results[-1].id)
+    wait_for(lambda: all(r.state == "SUCCESS" for r in results), 90, "every task to succeed")
+    order = _entered(events, n)
+    assert order[:2] == [0, 1], f"bodies ran {order}: the polling waiter was overtaken"
+
+
+STEPS = 16
+
+
+@pytest.mark.parametrize("order", ["publish", "arrival"])
+def test_steps_run_in_the_order_they_were_published(
+    it_app, start_worker, store_env, events, queue, order
+):
+    """STEPS steps of one account published at once while it is busy, claimed by two workers
+    of three threads each. With order="publish" they run in publish order; the negative control
+    (arrival order) mixes them up in at least one of three tries."""
+    env = {**store_env("redis"), **ENV}
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=3)
+    task = it_app.fifo_ordered if order == "publish" else it_app.fifo_hold
+    orders = []
+    for _ in range(1 if order == "publish" else 3):
+        n = unique("o")
+        holder = it_app.fifo_hold.apply_async((n, 0, 2.0), queue=queue)
+        events.wait(ev="enter", res=n, k=0)
+        steps = [task.apply_async((n, k, 0.02), queue=queue) for k in range(1, STEPS + 1)]
+        wait_for(
+            lambda steps=steps: all(r.state == "SUCCESS" for r in steps), 90, "the steps to end"
+        )
+        orders.append(_entered(events, n)[1:])
+        if orders[-1] != list(range(1, STEPS + 1)):
+            break
+        del holder
+    if order == "publish":
+        assert orders[0] == list(range(1, STEPS + 1)), f"steps ran {orders[0]}"
+    else:
+        assert orders[-1] != list(range(1, STEPS + 1)), f"arrival order kept it: {orders}"
