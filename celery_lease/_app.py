@@ -32,6 +32,7 @@ from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
 from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
+from ._workerlog import ttl_summary
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
 
@@ -328,6 +329,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
         app = worker.app
         settings = _check_settings(app)  # bad settings stop the worker here
+        tasks = _lease_task_settings(app)
         try:
             store = get_store(app, settings)
             warnings = store.check_health()
@@ -342,7 +344,9 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         for warning in warnings:
             log.warning("celery_lease: %s", warning)
-        log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
+        # Each task's own ttl: a task's ttl= overrides the app's lease_ttl.
+        ttls = {task.name: each.ttl for task, each in tasks}
+        log.info("celery_lease store %s ready (%s)", store.url, ttl_summary(settings.ttl, ttls))
 
     def _start_passes(self, worker: Any) -> None:
         """Pass over the wait lists in every process that runs tasks: the pool processes of
@@ -423,11 +427,18 @@ def _check_settings(app: Any) -> LeaseSettings:
     ``LeaseConfigError``). Not kept: a task resolves again at its first run (a test may change
     a setting after its worker started)."""
     settings = LeaseSettings.resolve(app.conf)
-    lease_task_types = tuple(_lease_task_types)
-    for task in list(app.tasks.values()):
-        if isinstance(task, lease_task_types):
-            cast("Any", task)._resolve_lease_settings()
+    _lease_task_settings(app)
     return settings
+
+
+def _lease_task_settings(app: Any) -> list[tuple[Any, LeaseSettings]]:
+    """Each lease task of ``app`` with its settings, resolved now and not kept (see above)."""
+    lease_task_types = tuple(_lease_task_types)
+    return [
+        (task, cast("Any", task)._resolve_lease_settings())
+        for task in list(app.tasks.values())
+        if isinstance(task, lease_task_types)
+    ]
 
 
 def _is_test_worker(worker: Any) -> bool:
