@@ -32,7 +32,7 @@ from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
 from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
-from ._workerlog import ttl_summary
+from ._workerlog import crash_recovery_warnings, ttl_summary
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
 
@@ -330,6 +330,9 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         app = worker.app
         settings = _check_settings(app)  # bad settings stop the worker here
         tasks = _lease_task_settings(app)
+        # Here, in the worker's main process, once per worker start.
+        for warning in crash_recovery_warnings(app, tasks, _is_prefork(worker)):
+            log.warning("celery_lease: %s", warning)
         try:
             store = get_store(app, settings)
             warnings = store.check_health()
@@ -433,12 +436,21 @@ def _check_settings(app: Any) -> LeaseSettings:
 
 def _lease_task_settings(app: Any) -> list[tuple[Any, LeaseSettings]]:
     """Each lease task of ``app`` with its settings, resolved now and not kept (see above)."""
+    tasks = list(app.tasks.values())  # (first: reading them finalizes the app, binding them)
     lease_task_types = tuple(_lease_task_types)
     return [
         (task, cast("Any", task)._resolve_lease_settings())
-        for task in list(app.tasks.values())
+        for task in tasks
         if isinstance(task, lease_task_types)
     ]
+
+
+def _is_prefork(worker: Any) -> bool:
+    """Whether the worker runs its tasks in prefork pool processes."""
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    pool = getattr(worker, "pool_cls", None)
+    return isinstance(pool, type) and issubclass(pool, PreforkPool)
 
 
 def _is_test_worker(worker: Any) -> bool:

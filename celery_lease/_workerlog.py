@@ -1,17 +1,54 @@
 """What a worker's main process says about its lease tasks.
 
 At start (``_app.LeaseBootstep``): the lease ttl of each lease task on the "ready" line (a
-task's ``ttl=`` overrides the app's ``lease_ttl``, so the app's alone says little).
+task's ``ttl=`` overrides the app's ``lease_ttl``, so the app's alone says little), and a
+warning for each crash-recovery setting that leaves a crashed step waiting or lost:
+
+* a lease task with ``acks_late`` but neither ``reject_on_worker_lost`` nor Celery 5.7's
+  ``retry_on_worker_lost``, on a prefork worker: when the pool process running it dies
+  (SIGKILL, the OOM killer), Celery stores FAILURE (``WorkerLostError``), acks the message,
+  and the step never runs again;
+* a Redis or SQS broker whose ``visibility_timeout`` is far above the ttl of an ``acks_late``
+  lease task (see :func:`far_above`): a worker killed whole leaves that task's message unacked
+  that long, while its lease expires within the ttl and ``celery lease ls`` shows it free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["ttl_summary"]
+from ._settings import LeaseSettings
 
+__all__ = [
+    "VISIBILITY_FLOOR",
+    "VISIBILITY_TTL_FACTOR",
+    "crash_recovery_warnings",
+    "far_above",
+    "ttl_summary",
+]
+
+#: A broker's visibility timeout is "far above" a lease ttl when it is more than
+#: ``VISIBILITY_TTL_FACTOR`` ttls *and* more than ``VISIBILITY_FLOOR`` seconds. After a worker
+#: is killed whole, the resource is free again within one ttl (and a renew interval), but the
+#: step's message comes back only after the visibility timeout: past ten ttls that wait, not
+#: the lease, decides when the step runs again. A wait under five minutes is left alone: a
+#: timeout shorter than the longest run makes the broker deliver a running task again (a lease
+#: task's copy then waits as a duplicate, but a plain task on the same broker runs twice).
+VISIBILITY_TTL_FACTOR = 10
+VISIBILITY_FLOOR = 300.0
 #: Task names listed in one line before "and N more".
 NAMES_SHOWN = 3
+
+#: The brokers whose unacked messages come back only after a visibility timeout, and kombu's
+#: default for it (read from the transport when it has it).
+_VISIBILITY_DEFAULT_ATTR = {"redis": "visibility_timeout", "sqs": "default_visibility_timeout"}
+_BROKER_NAMES = {"redis": "Redis", "sqs": "SQS"}
+
+
+def far_above(visibility_timeout: float, ttl: float) -> bool:
+    """Whether a broker's visibility timeout is far above a lease ttl (see the constants)."""
+    return visibility_timeout > max(VISIBILITY_TTL_FACTOR * ttl, VISIBILITY_FLOOR)
 
 
 def _names(names: Sequence[str]) -> str:
@@ -46,3 +83,76 @@ def ttl_summary(app_ttl: float, ttls: Mapping[str, float]) -> str:
     parts = [f"ttl {main:g}s for {_lease_tasks(len(groups[main]))}"]
     parts += [f"{ttl:g}s for {_names(groups[ttl])}" for ttl in sorted(groups) if ttl != main]
     return "; ".join(parts)
+
+
+def broker_visibility(app: Any) -> tuple[str, float, bool] | None:
+    """``(broker, visibility timeout, is kombu's default)`` of a Redis or SQS broker; None for
+    other brokers (RabbitMQ gives a dead consumer's messages back at once)."""
+    conn = app.connection_for_read()
+    try:
+        try:
+            transport = conn.transport
+        except Exception:  # noqa: BLE001 - a warning's check never stops the worker: the
+            return None  # consumer's own connection says what is wrong with the broker
+        driver = getattr(transport, "driver_type", None)
+        if driver not in _VISIBILITY_DEFAULT_ATTR:
+            return None
+        options = conn.transport_options or {}
+        value = options.get("visibility_timeout")
+        default = value is None
+        if default:
+            value = getattr(transport.Channel, _VISIBILITY_DEFAULT_ATTR[driver], None)
+    finally:
+        conn.release()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return _BROKER_NAMES[driver], float(value), default
+
+
+def crash_recovery_warnings(
+    app: Any, tasks: Sequence[tuple[Any, LeaseSettings]], prefork: bool
+) -> list[str]:
+    """What the worker warns about at start: crash-recovery settings of its lease tasks
+    (``tasks``: each with its resolved settings) that leave a crashed step lost or waiting
+    long after its lease is free. One message per setting, naming the tasks."""
+    warnings = []
+    late = [(task, settings) for task, settings in tasks if task.acks_late]
+    not_rejected = [
+        task.name
+        for task, _ in late
+        if not task.reject_on_worker_lost and not getattr(task, "retry_on_worker_lost", None)
+    ]
+    if prefork and not_rejected:
+        warnings.append(
+            f"lease task{'s' if len(not_rejected) > 1 else ''} {_names(sorted(not_rejected))} "
+            f"{'have' if len(not_rejected) > 1 else 'has'} acks_late without "
+            "task_reject_on_worker_lost: if the pool process running one dies (SIGKILL, the "
+            "OOM killer), Celery stores FAILURE (WorkerLostError), acks the message and the "
+            "step never runs again. Set app.conf.task_reject_on_worker_lost = True (or "
+            "reject_on_worker_lost=True on the task) to requeue it; its next run takes the "
+            "lease over"
+        )
+    found = broker_visibility(app) if late else None
+    if found is not None:
+        broker, visibility, default = found
+        waiting = sorted(
+            (settings.ttl, task.name)
+            for task, settings in late
+            if far_above(visibility, settings.ttl)
+        )
+        if waiting:
+            shortest = waiting[0][0]
+            suggested = max(VISIBILITY_TTL_FACTOR * shortest, VISIBILITY_FLOOR)
+            where = "kombu's default" if default else "broker_transport_options"
+            warnings.append(
+                f"the {broker} broker's visibility_timeout is {visibility:g}s ({where}), far "
+                f"above the lease ttl of {_names([name for _, name in waiting])} "
+                f"({shortest:g}s{' and up' if waiting[-1][0] > shortest else ''}): a worker "
+                "killed whole leaves such a running task's message unacked for "
+                f"{visibility:g}s, while its lease expires within its ttl and `celery lease "
+                "ls` shows the resource free. Set app.conf.broker_transport_options = "
+                f"{{'visibility_timeout': {suggested:g}}} (no more than {VISIBILITY_TTL_FACTOR} "
+                f"ttls or {VISIBILITY_FLOOR:g}s, whichever is more; but above your longest task "
+                "run and countdown, or the broker delivers a running task again)"
+            )
+    return warnings

@@ -157,3 +157,128 @@ class TestReadyLine:
             "ready (ttl 5s for 6 lease tasks; 1s for proj.short0, proj.short1, proj.short2 "
             "and 2 more)"
         )
+
+
+def warnings_at_start(app: Celery, pool: object, caplog: pytest.LogCaptureFixture) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="celery_lease"):
+        start_worker_step(app, pool)
+    found = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    return [w for w in found if "MemoryLeaseStore shares nothing" not in w]  # (the store's)
+
+
+class TestCrashRecoveryWarnings:
+    """At start, a worker warns once per setting that leaves a crashed step lost or waiting."""
+
+    @pytest.fixture
+    def prefork(self):
+        from celery.concurrency import get_implementation
+
+        return get_implementation("prefork")
+
+    def define(self, app: Celery, **options: object) -> None:
+        lease_task(app=app, resource="w:{n}", name=unique("proj.step"), shared=False, **options)(
+            body
+        )
+
+    @pytest.mark.parametrize(
+        ("options", "warned"),
+        [
+            ({"acks_late": True}, True),
+            ({"acks_late": True, "reject_on_worker_lost": True}, False),
+            ({"acks_late": True, "retry_on_worker_lost": True}, False),
+            ({"acks_late": False}, False),  # (acked at its start: at most once, by choice)
+        ],
+    )
+    def test_acks_late_without_reject_on_worker_lost(self, app, prefork, caplog, options, warned):
+        """Named with the consequence and the fix; a setting that brings the step back, or
+        acks early, is not warned about. No warning before."""
+        self.define(app, **options)
+        found = [w for w in warnings_at_start(app, prefork, caplog) if "WorkerLostError" in w]
+        assert len(found) == warned, found
+        if warned:
+            assert "without task_reject_on_worker_lost" in found[0]
+            assert "step never runs again" in found[0]
+            assert "task_reject_on_worker_lost = True" in found[0]
+
+    def test_app_settings_count_as_the_tasks(self, app, prefork, caplog):
+        """task_acks_late and task_reject_on_worker_lost on the app reach every task."""
+        app.conf.task_acks_late = True
+        self.define(app)
+        assert any("WorkerLostError" in w for w in warnings_at_start(app, prefork, caplog))
+        app.conf.task_reject_on_worker_lost = True
+        other = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        other.conf.update(app.conf)
+        self.define(other)
+        assert not any("WorkerLostError" in w for w in warnings_at_start(other, prefork, caplog))
+
+    def test_not_on_a_pool_without_child_processes(self, app, caplog):
+        """Threads (solo, gevent) run the task in the worker itself: no WorkerLostError."""
+        from celery.concurrency import get_implementation
+
+        self.define(app, acks_late=True)
+        assert warnings_at_start(app, get_implementation("threads"), caplog) == []
+
+    @pytest.mark.parametrize(
+        ("visibility", "ttl", "warned"),
+        [
+            (None, 60, True),  # kombu's default, 3600 s
+            (600, 60, False),  # ten ttls
+            (601, 60, True),
+            (300, 1, False),  # the five minute floor
+            (301, 1, True),
+        ],
+    )
+    def test_redis_visibility_timeout_far_above_the_ttl(self, caplog, visibility, ttl, warned):
+        """Named with its value, the tasks, the consequence and a value that is not; none
+        before."""
+        app = Celery(unique("app"), broker="redis://127.0.0.1:1/0", backend="cache+memory://")
+        app.conf.lease_store_url = "memory://"
+        if visibility is not None:
+            app.conf.broker_transport_options = {"visibility_timeout": visibility}
+        self.define(app, acks_late=True, reject_on_worker_lost=True, ttl=ttl)
+        found = [w for w in warnings_at_start(app, None, caplog) if "visibility_timeout" in w]
+        assert len(found) == warned, found
+        if not warned:
+            return
+        shown = 3600 if visibility is None else visibility
+        assert f"the Redis broker's visibility_timeout is {shown}s" in found[0]
+        assert ("kombu's default" in found[0]) is (visibility is None)
+        assert "lease ttl of proj.step" in found[0]
+        assert "unacked" in found[0] and "`celery lease ls` shows the resource free" in found[0]
+        suggested = max(10 * ttl, 300)
+        assert f"{{'visibility_timeout': {suggested}}}" in found[0]
+
+    def test_sqs_default_visibility_timeout(self, caplog):
+        """kombu's SQS default (1800 s), read from the transport as for Redis (boto3 is not
+        installed here: a memory transport that says it is SQS stands in)."""
+        from kombu.transport import memory
+
+        class SQSChannel(memory.Channel):
+            default_visibility_timeout = 1800
+
+        class SQSLike(memory.Transport):
+            Channel = SQSChannel
+            driver_type = "sqs"
+
+        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        app.conf.update(lease_store_url="memory://", broker_transport=SQSLike)
+        self.define(app, acks_late=True, reject_on_worker_lost=True, ttl=15)
+        (found,) = warnings_at_start(app, None, caplog)
+        assert "the SQS broker's visibility_timeout is 1800s (kombu's default)" in found
+        assert "{'visibility_timeout': 300}" in found
+
+    @pytest.mark.parametrize("broker", ["memory://", "amqp://127.0.0.1:1//"])
+    def test_no_visibility_warning_for_brokers_without_one(self, broker, caplog):
+        """RabbitMQ gives a dead consumer's messages back at once."""
+        app = Celery(unique("app"), broker=broker, backend="cache+memory://")
+        app.conf.lease_store_url = "memory://"
+        self.define(app, acks_late=True, reject_on_worker_lost=True)
+        assert warnings_at_start(app, None, caplog) == []
+
+    def test_no_visibility_warning_without_acks_late(self, caplog):
+        """A task acked at its start leaves nothing unacked while it runs."""
+        app = Celery(unique("app"), broker="redis://127.0.0.1:1/0", backend="cache+memory://")
+        app.conf.lease_store_url = "memory://"
+        self.define(app)
+        assert warnings_at_start(app, None, caplog) == []
