@@ -4,11 +4,12 @@
 the module that creates the app if you want the ``--lease-*`` worker options (the command line
 is parsed before task modules are imported).
 
-Importing this module (which importing ``celery_lease`` does) installs four process-wide
+Importing this module (which importing ``celery_lease`` does) installs five process-wide
 hooks, marked where they happen below: an ``os.register_at_fork`` child hook that drops
 inherited store connections, a ``worker_process_shutdown`` receiver and an ``atexit`` handler
-that release the leases still held, and a ``worker_process_init`` receiver that starts the
-passes over the wait lists in each prefork pool process.
+that release the leases still held, a ``worker_process_init`` receiver that starts the
+passes over the wait lists in each prefork pool process, and a ``task_failure`` receiver that
+logs a lease task whose pool process died (``_workerlog``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
 from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
-from ._workerlog import crash_recovery_warnings, ttl_summary
+from ._workerlog import crash_recovery_warnings, on_task_failure, ttl_summary
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
 
@@ -256,6 +257,10 @@ signals.worker_process_init.connect(_on_process_init, weak=False)
 # connected once, when the first lease task module imports this one.
 signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
 atexit.register(release_all_held)
+
+# Import-time side effect (5): a lease task whose prefork pool process died mid-task is logged
+# with its resource and fence by the worker's main process, where Celery reports it.
+signals.task_failure.connect(on_task_failure, weak=False)
 
 
 class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]

@@ -11,13 +11,22 @@ warning for each crash-recovery setting that leaves a crashed step waiting or lo
 * a Redis or SQS broker whose ``visibility_timeout`` is far above the ttl of an ``acks_late``
   lease task (see :func:`far_above`): a worker killed whole leaves that task's message unacked
   that long, while its lease expires within the ttl and ``celery lease ls`` shows it free.
+
+Later, in the same process: :func:`on_task_failure` (connected to Celery's ``task_failure``
+signal by ``_app``) logs a lease task whose pool process died mid-task, with its resource and
+the fence it held.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
+
+from ._errors import LeaseError
+from ._eventlog import lease_log
 from ._settings import LeaseSettings
 
 __all__ = [
@@ -25,6 +34,7 @@ __all__ = [
     "VISIBILITY_TTL_FACTOR",
     "crash_recovery_warnings",
     "far_above",
+    "on_task_failure",
     "ttl_summary",
 ]
 
@@ -156,3 +166,64 @@ def crash_recovery_warnings(
                 "run and countdown, or the broker delivers a running task again)"
             )
     return warnings
+
+
+def on_task_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """``task_failure`` receiver: log a lease task whose pool process died mid-task.
+
+    Celery sends ``task_failure`` with a ``WorkerLostError`` from the worker's main process
+    when it stores that FAILURE; a message it requeues instead (``reject_on_worker_lost``) gets
+    no signal, and its next run logs ``recovered`` with the dead owner's fence. The process
+    that held the lease is gone: the resource comes from the request's arguments, the fence
+    from the store when the lease there is still this task's (its holder label ends with the
+    task id). That read is one store call on a rare path, in the main process; a store that
+    does not answer holds it up to the store's call timeout, and the line then says why no
+    fence is shown.
+    """
+    if not isinstance(exception, WorkerLostError):
+        return  # (every task failure in every process comes here: this test first)
+    from ._task import LeaseTask, _names_task  # (_task imports _app, which imports this)
+
+    if not isinstance(sender, LeaseTask):
+        return
+    from ._app import get_store
+
+    fields: dict[str, Any] = {}
+    fence = holder = resource = None
+    try:
+        resource = sender.lease_resource_for(tuple(args or ()), dict(kwargs or {}))
+        info = get_store(sender.app, sender.lease_settings).get(resource)
+    except LeaseError as exc:
+        fields["lease"] = f"not read: {exc}"
+    else:
+        if info is not None and _names_task(info.owner_label, task_id):
+            fence, holder = info.fence, info.owner_label
+            fields["expires_in"] = f"{max(info.expires_in, 0.0):.1f}s"
+        else:
+            fields["lease"] = (
+                "none of this task in the store (released before the process died, or taken "
+                "over since)"
+            )
+    if not sender.acks_late:
+        fields["fix"] = "task_acks_late = True and task_reject_on_worker_lost = True"
+    elif not sender.reject_on_worker_lost:
+        fields["fix"] = "task_reject_on_worker_lost = True"
+    lease_log(
+        "worker_lost",
+        logging.WARNING,
+        resource=resource,
+        fence=fence,
+        holder=holder,
+        task_id=task_id,
+        task=sender.name,
+        error=str(exception),
+        action="FAILURE stored, the step does not run again",
+        **fields,
+    )

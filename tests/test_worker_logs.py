@@ -282,3 +282,56 @@ class TestCrashRecoveryWarnings:
         app.conf.lease_store_url = "memory://"
         self.define(app)
         assert warnings_at_start(app, None, caplog) == []
+
+
+class TestWorkerLost:
+    """A lease task whose pool process died is logged with its resource and fence."""
+
+    def lost(self, task, task_id, **options):
+        from billiard.exceptions import WorkerLostError
+
+        from celery_lease._workerlog import on_task_failure
+
+        error = WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL) Job: 3.")
+        on_task_failure(sender=task, task_id=task_id, exception=error, **options)
+
+    def test_the_dead_owners_lease_is_named(self, app, caplog):
+        """The store still holds the lease under the task id: its fence and expiry are shown,
+        with the setting that would have run the step again."""
+        from celery_lease import Owner
+
+        task = lease_task(app=app, resource="acct:{n}", name="proj.step", shared=False)(body)
+        task_id = unique("id")
+        held = get_store(app).acquire("acct:7", Owner.new(f"w1@host:311:{task_id}"), 5)
+        caplog.set_level(logging.INFO)
+        self.lost(task, task_id, args=(7,), kwargs={})
+        (line,) = lease_lines(caplog, "worker_lost")
+        assert line.startswith(f"task proj.step[{task_id}] worker_lost: resource=acct:7 ")
+        assert f"fence={held.fence} holder=w1@host:311:{task_id} " in line
+        assert 'error="Worker exited prematurely: signal 9 (SIGKILL) Job: 3."' in line
+        assert 'fix="task_acks_late = True and task_reject_on_worker_lost = True"' in line
+
+    def test_a_lease_no_longer_its_own_is_not_shown_as_its_fence(self, app, caplog):
+        """Another owner's lease on the resource (taken over since) is not the dead one's."""
+        from celery_lease import Owner
+
+        task = lease_task(app=app, resource="acct:{n}", name="proj.step", shared=False)(body)
+        get_store(app).acquire("acct:7", Owner.new("w2@host:9:other-task"), 5)
+        caplog.set_level(logging.INFO)
+        self.lost(task, unique("id"), args=(), kwargs={"n": 7})
+        (line,) = lease_lines(caplog, "worker_lost")
+        assert "resource=acct:7 " in line and "fence=" not in line
+        assert "none of this task in the store" in line
+
+    def test_other_failures_and_plain_tasks_are_left_alone(self, app, caplog):
+        """Only a WorkerLostError of a lease task: every failure passes through here."""
+        from billiard.exceptions import WorkerLostError
+
+        from celery_lease._workerlog import on_task_failure
+
+        plain = app.task(name="proj.plain", shared=False)(body)
+        leased = lease_task(app=app, resource="acct:{n}", name="proj.step", shared=False)(body)
+        caplog.set_level(logging.INFO)
+        on_task_failure(sender=plain, task_id="t1", exception=WorkerLostError("x"), args=(1,))
+        on_task_failure(sender=leased, task_id="t2", exception=ValueError("x"), args=(1,))
+        assert lease_lines(caplog, "worker_lost") == []

@@ -63,17 +63,29 @@ def test_without_them_each_is_warned_once_and_a_killed_step_is_lost(
     it_app, start_worker, store_env, events, coord, queue
 ):
     """Each warning names its setting exactly once; the killed step ends FAILURE
-    (WorkerLostError) and is never run again, though its lease is free within the ttl.
-    Started without a warning before."""
+    (WorkerLostError), logged with its resource and fence, and is never run again, though its
+    lease is free within the ttl. Started without a warning before."""
     env = {**store_env("redis"), "CL_TTL": str(TTL), "CL_REJECT_ON_WORKER_LOST": "0"}
     worker = start_worker(env, queue=queue, concurrency=1)
     log = worker.log()
     assert log.count(NO_REJECT) == 1, log
     assert log.count(VISIBILITY) == 1, log
     assert "the Redis broker's visibility_timeout is 3600s (kombu's default)" in log
-    n, result, _ = _kill_the_step(it_app, worker, coord, events, queue)
+    n, result, fence = _kill_the_step(it_app, worker, coord, events, queue)
     wait_for(lambda: result.state == "FAILURE", 30, "the killed step's FAILURE")
     assert type(result.result).__name__ == "WorkerLostError"
+    # The main process says which lease the dead step held (Celery's own line names no task).
+    # Not said before.
+    lost = wait_for(
+        lambda: [line for line in worker.log().splitlines() if " worker_lost: " in line],
+        10,
+        "the worker_lost line",
+    )
+    assert len(lost) == 1, lost
+    assert f"task tests.integration.worker_app.crash_once[{result.id}] worker_lost: " in lost[0]
+    assert f"resource=crash-{n} fence={fence} " in lost[0]
+    assert 'action="FAILURE stored, the step does not run again"' in lost[0]
+    assert 'fix="task_reject_on_worker_lost = True"' in lost[0]
     store = worker_store(env)
     try:
         wait_for(
