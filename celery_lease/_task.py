@@ -1469,7 +1469,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         signature.apply_async()
         if not store:
             raise Ignore(f"{exc}: sent again in {delay:.2f}s") from exc
-        raise Retry(exc=exc, when=delay, sig=signature)
+        raise Retry(_retry_message(exc, delay), exc=exc, when=delay, sig=signature)
 
     def _log(
         self,
@@ -1615,6 +1615,28 @@ def _skipped(busy: LeaseBusyError) -> LeaseBusyError:
     """The error of a task skipped by ``on_busy="skip"``: why, without "retry later"."""
     reason = str(busy).removesuffix(BUSY_ADVICE)
     return LeaseBusyError(f"skipped (on_busy='skip'): {reason}", *busy.args[1:])
+
+
+def _retry_message(exc: LeaseError, delay: float) -> str:
+    """What Celery's retry line says for an execution sent again (``Task proj.x[id] retry:
+    <this>``): one short sentence. Celery's own, ``Retry in 15.0s: <the error's repr>``, ran to
+    300 characters and named the back-stop's delay, while a listed waiter is woken by the
+    release, often within milliseconds. The holder's label is left to the ``busy`` event line
+    and the RETRY state (the whole error goes to the result backend, as before)."""
+    if not isinstance(exc, LeaseBusyError):
+        return f"{exc}: sent again in {delay:.2f}s"
+    if exc.duplicate:
+        return (
+            f"busy: a copy of this execution holds {exc.resource} (fence {exc.fence}): "
+            f"looking again in {delay:.2f}s"
+        )
+    held = f"busy: {exc.resource} is held (fence {exc.fence})"
+    if exc.position:
+        return (
+            f"{held}: waiting at place {exc.position} of its wait list, woken when it is "
+            f"released (back-stop copy in {delay:.1f}s)"
+        )
+    return f"{held}: trying again in {delay:.2f}s"
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:
