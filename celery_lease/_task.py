@@ -848,8 +848,15 @@ class LeaseTask(Task):  # type: ignore[misc]
                 # A side effect saw a newer fence: a newer owner exists, our lease is lost.
                 interrupter.disarm()
                 outcome = "retry"
+                newer_fence, newer_holder = _newer_holder(lease, exc)
                 lost = lease.lost or lease.mark_lost(
-                    LeaseLostError.lost(lease.resource, lease.fence, "stale_fence")
+                    LeaseLostError.lost(
+                        lease.resource,
+                        lease.fence,
+                        "stale_fence",
+                        newer_holder,
+                        newer_fence if newer_holder is not None else None,
+                    )
                 )
                 self._log(
                     "stale_fence",
@@ -858,7 +865,9 @@ class LeaseTask(Task):  # type: ignore[misc]
                     lease.fence,
                     lease.owner.label,
                     key=exc.key,
-                    newer_fence=exc.highest,
+                    rejected_fence=exc.fence if exc.fence != lease.fence else None,
+                    newer_fence=newer_fence,
+                    newer_holder=newer_holder,
                 )
                 return self._lease_lost(lost, lease, settings)
             except SoftTimeLimitExceeded:
@@ -1615,6 +1624,23 @@ def _skipped(busy: LeaseBusyError) -> LeaseBusyError:
     """The error of a task skipped by ``on_busy="skip"``: why, without "retry later"."""
     reason = str(busy).removesuffix(BUSY_ADVICE)
     return LeaseBusyError(f"skipped (on_busy='skip'): {reason}", *busy.args[1:])
+
+
+def _newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, str | None]:
+    """The newer fence behind a side effect's refusal, and its holder when read from the store.
+
+    A ``FenceGate`` names the fence it accepted; a gateway's 409 may name none, and then the
+    store tells who holds the resource now (one read, on this rare path; nothing when it
+    fails or holds no newer lease)."""
+    if refused.highest is not None:
+        return refused.highest, None
+    try:
+        info = lease.store.get(lease.resource) if lease.store is not None else None
+    except LeaseError:
+        return None, None
+    if info is None or info.fence <= lease.fence:
+        return None, None
+    return info.fence, info.owner_label
 
 
 def _retry_message(exc: LeaseError, delay: float) -> str:

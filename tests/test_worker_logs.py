@@ -335,3 +335,48 @@ class TestWorkerLost:
         on_task_failure(sender=plain, task_id="t1", exception=WorkerLostError("x"), args=(1,))
         on_task_failure(sender=leased, task_id="t2", exception=ValueError("x"), args=(1,))
         assert lease_lines(caplog, "worker_lost") == []
+
+
+class TestStaleFence:
+    """A side effect's refusal (StaleFenceError in the body) is logged with the lease's
+    resource and both fences."""
+
+    def run(self, app, highest_known: bool):
+        from celery_lease import Owner, StaleFenceError
+
+        taken = {}
+
+        @lease_task(app=app, resource="acct:{n}", shared=False)
+        def step(n):
+            lease = current_lease()
+            store = get_store(app)
+            store.force_release(lease.resource)  # a newer owner claims meanwhile
+            newer = store.acquire(lease.resource, Owner.new("w2@host:9:newer-task"), 5)
+            taken["fence"] = newer.fence
+            # A gateway's 409 (it may not say which fence it accepted), or a FenceGate's.
+            raise StaleFenceError.rejected(
+                f"gw-{n}", lease.fence, newer.fence if highest_known else None
+            )
+
+        result = step.apply((7,))
+        return result, taken["fence"]
+
+    def test_a_refusal_naming_no_fence_is_completed_from_the_store(self, app, caplog):
+        """The store tells the newer fence and its holder; the lost lease's message names the
+        holder too. Before: no newer fence in the line, and "no live holder now"."""
+        caplog.set_level(logging.INFO)
+        result, newer = self.run(app, highest_known=False)
+        assert isinstance(result.result, LeaseLostError)
+        (line,) = lease_lines(caplog, "stale_fence")
+        assert " stale_fence: resource=acct:7 fence=" in line
+        own = int(line.split(" fence=", 1)[1].split(" ", 1)[0])
+        assert own < newer
+        assert f"key=gw-7 newer_fence={newer} newer_holder=w2@host:9:newer-task" in line
+        assert f"now held by 'w2@host:9:newer-task' with fence {newer}" in str(result.result)
+
+    def test_a_gates_refusal_names_its_fence(self, app, caplog):
+        """A FenceGate says the fence it accepted: no store read needed."""
+        caplog.set_level(logging.INFO)
+        _, newer = self.run(app, highest_known=True)
+        (line,) = lease_lines(caplog, "stale_fence")
+        assert line.endswith(f"key=gw-7 newer_fence={newer}")
