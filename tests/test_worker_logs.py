@@ -380,3 +380,90 @@ class TestStaleFence:
         _, newer = self.run(app, highest_known=True)
         (line,) = lease_lines(caplog, "stale_fence")
         assert line.endswith(f"key=gw-7 newer_fence={newer}")
+
+
+class TestEffectsSpared:
+    """An effect the ledger or ``reconcile_effect`` keeps from running again says so."""
+
+    def define(self, app, calls, outcome=None):
+        def reconcile_effect(key, lease):
+            return outcome
+
+        @lease_task(
+            app=app,
+            resource="pay:{n}",
+            identity="pay-{n}",
+            reconcile_effect=reconcile_effect if outcome is not None else None,
+            shared=False,
+        )
+        def pay(n, crash_in=False, crash_after=False):
+            def charge():
+                calls.append(n)
+                if crash_in:
+                    raise RuntimeError("crashed in the charge: did it happen?")
+                return {"charged": n}
+
+            receipt = current_lease().effect(f"charge-{n}")(charge)
+            if crash_after:
+                raise RuntimeError("crashed after the charge")
+            return receipt
+
+        return pay
+
+    def test_a_done_effect_is_not_run_again_and_the_line_says_so(self, app, caplog):
+        """The first run charged and crashed; the next finds it done in the ledger. Nothing
+        was logged before (the run looked like any other)."""
+        calls: list[int] = []
+        pay = self.define(app, calls)
+        assert isinstance(pay.apply((7,), {"crash_after": True}).result, RuntimeError)
+        caplog.set_level(logging.INFO)
+        again = pay.apply((7,))
+        assert again.get() == {"charged": 7}
+        assert calls == [7]
+        (line,) = lease_lines(caplog, "effect_done")
+        assert f"task {pay.name}[{again.id}] effect_done: resource=pay:7 " in line
+        assert "identity=pay-7 key=charge-7 done_fence=" in line
+        assert 'action="effect already done: not run again, its receipt returned"' in line
+
+    @pytest.mark.parametrize("redo", [False, True])
+    def test_a_reconciled_effect_says_what_reconcile_effect_decided(self, app, caplog, redo):
+        """The first run crashed inside the charge; reconcile_effect finds it happened (its
+        receipt) or not (REDO). Nothing was logged before."""
+        from celery_lease import REDO
+
+        calls: list[int] = []
+        pay = self.define(app, calls, outcome=REDO if redo else {"charged": "found"})
+        assert isinstance(pay.apply((7,), {"crash_in": True}).result, RuntimeError)
+        caplog.set_level(logging.INFO)
+        again = pay.apply((7,))
+        assert again.get() == ({"charged": 7} if redo else {"charged": "found"})
+        assert calls == ([7, 7] if redo else [7])
+        (line,) = lease_lines(caplog, "reconciled")
+        assert f"task {pay.name}[{again.id}] reconciled: resource=pay:7 " in line
+        assert "identity=pay-7 key=charge-7 previous_fence=" in line
+        if redo:
+            assert "reconcile_effect said REDO: it did not take place, runs now" in line
+        else:
+            assert "returned its receipt: it took place, not run again" in line
+
+    def test_two_effects_of_one_execution_are_two_lines(self, app, caplog):
+        """Each effect key is its own line (repeats are counted per execution and key)."""
+        calls: list[str] = []
+
+        @lease_task(app=app, resource="pay:{n}", identity="two-{n}", shared=False)
+        def both(n, crash_after=False):
+            lease = current_lease()
+            for key in ("charge", "email"):
+                lease.effect(key)(lambda key=key: calls.append(key))
+            if crash_after:
+                raise RuntimeError("crashed after both")
+
+        assert isinstance(both.apply((1,), {"crash_after": True}).result, RuntimeError)
+        caplog.set_level(logging.INFO)
+        both.apply((1,)).get()
+        assert calls == ["charge", "email"]
+        lines = lease_lines(caplog, "effect_done")
+        assert [("key=charge " in x, "key=email " in x) for x in lines] == [
+            (True, False),
+            (False, True),
+        ]
