@@ -1662,7 +1662,10 @@ def _retry_message(exc: LeaseError, delay: float) -> str:
             f"{held}: waiting at place {exc.position} of its wait list, woken when it is "
             f"released (back-stop copy in {delay:.1f}s)"
         )
-    return f"{held}: trying again in {delay:.2f}s"
+    # Why it is not in the wait list (full, or its message too big), as _lease_busy appended
+    # it after the advice: the busy event line saying so is logged once per 10 s only.
+    _, _, note = str(exc).partition(BUSY_ADVICE)
+    return f"{held}: trying again in {delay:.2f}s{' ' + note.strip() if note.strip() else ''}"
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:

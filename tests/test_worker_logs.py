@@ -467,3 +467,55 @@ class TestEffectsSpared:
             (True, False),
             (False, True),
         ]
+
+
+class TestBusyRetryLine:
+    """Celery's retry line for a busy wait, as a worker's tracer logs it: one short sentence."""
+
+    def refused(self, app, caplog, **options) -> str:
+        from celery.app.trace import build_tracer
+
+        from celery_lease import Owner
+
+        task = lease_task(app=app, resource="r:{n}", name="proj.step", shared=False, **options)(
+            body
+        )
+        get_store(app).acquire("r:1", Owner.new("w1@host:311:holder-task"), 30)
+        task_id = unique("id")
+        request = {
+            "id": task_id,
+            "delivery_info": {"exchange": "", "routing_key": "celery"},
+            "headers": {},
+            "retries": 0,
+            "hostname": "w2@host",
+            "is_eager": False,
+        }
+        caplog.set_level(logging.INFO)
+        build_tracer(task.name, task, app=app, eager=False)(task_id, (1,), {}, request)
+        (line,) = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "celery.app.trace" and " retry: " in r.getMessage()
+        ]
+        assert line.startswith(f"Task proj.step[{task_id}] retry: ")
+        return line.split(" retry: ", 1)[1]
+
+    def test_a_listed_waiter_says_the_release_wakes_it(self, app, caplog):
+        """Was "Retry in 5.0s: LeaseBusyError(...)" (the back-stop's delay, and the repr)."""
+        reason = self.refused(app, caplog)
+        assert reason == (
+            "busy: r:1 is held (fence 1): waiting at place 1 of its wait list, woken when it "
+            "is released (back-stop copy in 5.0s)"
+        )
+
+    def test_a_waiter_kept_out_of_the_list_says_why(self, app, caplog):
+        """Its wake message is over lease_handoff_max_payload: the line says so each time (the
+        busy event line, which says it too, is logged once per 10 s)."""
+        reason = self.refused(app, caplog, handoff_max_payload=1)
+        assert reason.startswith("busy: r:1 is held (fence 1): trying again in ")
+        assert " (its wake message is " in reason
+        assert reason.endswith(
+            " bytes, over lease_handoff_max_payload=1: waiting with the back-off, not in the "
+            "wait list)"
+        )
+        assert "LeaseBusyError(" not in reason and "Retry in" not in reason
