@@ -590,6 +590,8 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease,
             current_attempt=lease.identity_attempt,
             action="dropped a copy of a superseded attempt",
+            why=f"its task retried since: attempt {lease.identity_attempt} runs in a copy of its "
+            "own",
         )
         self._release(lease, found, None)
         raise Ignore(
@@ -609,6 +611,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease.owner.label,
             identity=lease.identity,
             attempt=self.request.retries or 0,
+            copy=_copy_kind(self.request),
             **fields,
         )
 
@@ -617,7 +620,11 @@ class LeaseTask(Task):  # type: ignore[misc]
         with the identity's record as it was found (a new message sharing the identity still
         runs) and end without storing a result (the FAILURE of the run that happened stays)."""
         request = self.request
-        self._log_dropped(lease, action="dropped a copy of a failed execution")
+        self._log_dropped(
+            lease,
+            action="dropped a copy of a failed execution",
+            why=f"attempt {request.retries or 0} already ran and failed; its FAILURE stays",
+        )
         why = (
             f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
             f"(task id {request.id})"
@@ -709,8 +716,11 @@ class LeaseTask(Task):  # type: ignore[misc]
             resource,
             None,
             None,
+            copy=_copy_kind(request),
             state=state,
             action="dropped a copy of a finished task",
+            why=f"its task id already ended {state} in the result backend (another copy of it "
+            "ran, or gave up): running it again would repeat that or store over it",
         )
         if lease is not None:  # give it back with the identity's record as found
             found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
@@ -789,6 +799,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             None,
             identity=done.identity,
             redelivered=redelivered,
+            copy=_copy_kind(request),
             action="returned the recorded result",
         )
         return decode(done.result)
@@ -1624,6 +1635,21 @@ def _skipped(busy: LeaseBusyError) -> LeaseBusyError:
     """The error of a task skipped by ``on_busy="skip"``: why, without "retry later"."""
     reason = str(busy).removesuffix(BUSY_ADVICE)
     return LeaseBusyError(f"skipped (on_busy='skip'): {reason}", *busy.args[1:])
+
+
+def _copy_kind(request: Any) -> str:
+    """Which copy of its execution a message is, for the ``duplicate`` line: one a release
+    woke (``woken``; ``early wake`` when sent as the release went out), the ``back-stop``
+    copy a refused claim re-queued, a ``redelivered`` message, or the ``message`` as sent."""
+    if _header(request, EARLY_HEADER) is not None:
+        return "early wake"
+    if _header(request, WOKEN_HEADER) is not None:
+        return "woken"
+    if int(_header(request, WAITS_HEADER) or 0):
+        return "back-stop"
+    if (request.delivery_info or {}).get("redelivered"):
+        return "redelivered"
+    return "message"
 
 
 def _newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, str | None]:

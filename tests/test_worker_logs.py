@@ -12,21 +12,31 @@ import time
 import pytest
 from celery import Celery
 
-from celery_lease import LeaseLostError, current_lease, lease_task
+from celery_lease import LeaseLostError, LeaseTask, current_lease, lease_task
 from celery_lease import _eventlog as eventlog
 from celery_lease._app import get_store
 from celery_lease._errors import LeaseStoreError
 from tests.conftest import unique
 
 
-@pytest.fixture
-def app():
-    """An app whose leases live in the memory store (made once per app)."""
-    app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+def fresh_app(broker: str = "memory://") -> Celery:
+    """An app whose leases live in the memory store (made once per app), with this module's
+    lease tasks only: those of other test modules defined as shared tasks (the default) join
+    every app finalized after them. Reading app.tasks finalizes this one, so they can be
+    dropped, and a task defined from here on (``shared=False``) registers at once."""
+    app = Celery(unique("app"), broker=broker, backend="cache+memory://")
     app.conf.lease_store_url = "memory://"
     app.conf.lease_ttl = 5
+    for name, task in list(app.tasks.items()):
+        if isinstance(task, LeaseTask):
+            app.tasks.unregister(name)
+    return app
+
+
+@pytest.fixture
+def app():
     eventlog.reset()
-    yield app
+    yield fresh_app()
     eventlog.reset()
 
 
@@ -207,7 +217,7 @@ class TestCrashRecoveryWarnings:
         self.define(app)
         assert any("WorkerLostError" in w for w in warnings_at_start(app, prefork, caplog))
         app.conf.task_reject_on_worker_lost = True
-        other = Celery(unique("app"), broker="memory://", backend="cache+memory://")
+        other = fresh_app()
         other.conf.update(app.conf)
         self.define(other)
         assert not any("WorkerLostError" in w for w in warnings_at_start(other, prefork, caplog))
@@ -232,8 +242,7 @@ class TestCrashRecoveryWarnings:
     def test_redis_visibility_timeout_far_above_the_ttl(self, caplog, visibility, ttl, warned):
         """Named with its value, the tasks, the consequence and a value that is not; none
         before."""
-        app = Celery(unique("app"), broker="redis://127.0.0.1:1/0", backend="cache+memory://")
-        app.conf.lease_store_url = "memory://"
+        app = fresh_app("redis://127.0.0.1:1/0")
         if visibility is not None:
             app.conf.broker_transport_options = {"visibility_timeout": visibility}
         self.define(app, acks_late=True, reject_on_worker_lost=True, ttl=ttl)
@@ -261,8 +270,8 @@ class TestCrashRecoveryWarnings:
             Channel = SQSChannel
             driver_type = "sqs"
 
-        app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
-        app.conf.update(lease_store_url="memory://", broker_transport=SQSLike)
+        app = fresh_app()
+        app.conf.broker_transport = SQSLike
         self.define(app, acks_late=True, reject_on_worker_lost=True, ttl=15)
         (found,) = warnings_at_start(app, None, caplog)
         assert "the SQS broker's visibility_timeout is 1800s (kombu's default)" in found
@@ -271,15 +280,13 @@ class TestCrashRecoveryWarnings:
     @pytest.mark.parametrize("broker", ["memory://", "amqp://127.0.0.1:1//"])
     def test_no_visibility_warning_for_brokers_without_one(self, broker, caplog):
         """RabbitMQ gives a dead consumer's messages back at once."""
-        app = Celery(unique("app"), broker=broker, backend="cache+memory://")
-        app.conf.lease_store_url = "memory://"
+        app = fresh_app(broker)
         self.define(app, acks_late=True, reject_on_worker_lost=True)
         assert warnings_at_start(app, None, caplog) == []
 
     def test_no_visibility_warning_without_acks_late(self, caplog):
         """A task acked at its start leaves nothing unacked while it runs."""
-        app = Celery(unique("app"), broker="redis://127.0.0.1:1/0", backend="cache+memory://")
-        app.conf.lease_store_url = "memory://"
+        app = fresh_app("redis://127.0.0.1:1/0")
         self.define(app)
         assert warnings_at_start(app, None, caplog) == []
 
@@ -519,3 +526,73 @@ class TestBusyRetryLine:
             "wait list)"
         )
         assert "LeaseBusyError(" not in reason and "Retry in" not in reason
+
+
+class TestDroppedCopies:
+    """A copy of a waiting execution that ends unrun says which copy it was and why."""
+
+    @staticmethod
+    def deliver(task, task_id, retries=0, waits=1, **headers):
+        """One copy as a worker runs it (see tests/test_task.py): Ignore'd -> "dropped"."""
+        from celery.exceptions import Ignore
+
+        task.push_request(
+            id=task_id,
+            args=(1,),
+            kwargs={},
+            retries=retries,
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "celery"},
+            headers={"celery_lease_waits": waits, **headers},
+        )
+        try:
+            result = task(1)
+        except Ignore:
+            return "dropped"
+        except ValueError:
+            task.backend.mark_as_failure(task_id, ValueError("run"))
+            return "failed"
+        finally:
+            task.pop_request()
+        task.backend.store_result(task_id, result, "SUCCESS")
+        return result
+
+    def define(self, app, fail=False):
+        @lease_task(app=app, resource="fc:{n}", bind=True, shared=False, name="proj.step")
+        def step(self, n):
+            if fail:
+                raise ValueError("run")
+            return "done"
+
+        return step
+
+    def test_a_back_stop_copy_of_a_finished_task(self, app, caplog):
+        """Its woken copy ran and the backend holds SUCCESS: the back-stop copy ends unrun,
+        saying so. Before: no copy= and no why=."""
+        step = self.define(app)
+        task_id = unique("id")
+        assert self.deliver(step, task_id, celery_lease_woken_at=1.0) == "done"
+        caplog.set_level(logging.INFO)
+        assert self.deliver(step, task_id) == "dropped"
+        (line,) = lease_lines(caplog, "duplicate")
+        assert f"task proj.step[{task_id}] duplicate: resource=fc:1 copy=back-stop " in line
+        assert 'action="dropped a copy of a finished task"' in line
+        assert (
+            'why="its task id already ended SUCCESS in the result backend (another copy of it '
+            'ran, or gave up): running it again would repeat that or store over it"'
+        ) in line
+
+    def test_a_back_stop_copy_of_a_failed_execution(self, app, caplog):
+        """Its woken copy ran and failed; the backend is not read first here (it is what
+        another task id sharing the identity may have changed): the claim tells."""
+        app.conf.result_backend = None  # (nothing to read before the claim)
+        step = self.define(app, fail=True)
+        task_id = unique("id")
+        assert self.deliver(step, task_id, celery_lease_woken_at=1.0) == "failed"
+        caplog.set_level(logging.INFO)
+        assert self.deliver(step, task_id) == "dropped"
+        (line,) = lease_lines(caplog, "duplicate")
+        assert "identity=" in line and "attempt=0 copy=back-stop " in line
+        assert 'action="dropped a copy of a failed execution"' in line
+        assert 'why="attempt 0 already ran and failed; its FAILURE stays"' in line
