@@ -136,8 +136,9 @@ def crash_recovery_warnings(
         warnings.append(
             f"lease task{'s' if len(not_rejected) > 1 else ''} {_names(sorted(not_rejected))} "
             f"{'have' if len(not_rejected) > 1 else 'has'} acks_late without "
-            "task_reject_on_worker_lost: if the pool process running one dies (SIGKILL, the "
-            "OOM killer), Celery stores FAILURE (WorkerLostError), acks the message and the "
+            "task_reject_on_worker_lost: if the pool process running "
+            f"{'one' if len(not_rejected) > 1 else 'it'} dies (SIGKILL, the OOM killer), "
+            "Celery stores FAILURE (WorkerLostError), acks the message and the "
             "step never runs again. Set app.conf.task_reject_on_worker_lost = True (or "
             "reject_on_worker_lost=True on the task) to requeue it; its next run takes the "
             "lease over"
@@ -160,10 +161,11 @@ def crash_recovery_warnings(
                 f"({shortest:g}s{' and up' if waiting[-1][0] > shortest else ''}): a worker "
                 "killed whole leaves such a running task's message unacked for "
                 f"{visibility:g}s, while its lease expires within its ttl and `celery lease "
-                "ls` shows the resource free. Set app.conf.broker_transport_options = "
-                f"{{'visibility_timeout': {suggested:g}}} (no more than {VISIBILITY_TTL_FACTOR} "
-                f"ttls or {VISIBILITY_FLOOR:g}s, whichever is more; but above your longest task "
-                "run and countdown, or the broker delivers a running task again)"
+                "ls` shows the resource free. Put {'visibility_timeout': "
+                f"{suggested:g}}} in app.conf.broker_transport_options (no more than "
+                f"{VISIBILITY_TTL_FACTOR} ttls or {VISIBILITY_FLOOR:g}s, whichever is more; but "
+                "above your longest task run and countdown, or the broker delivers a running "
+                "task again)"
             )
     return warnings
 
