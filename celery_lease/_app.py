@@ -4,11 +4,12 @@
 the module that creates the app if you want the ``--lease-*`` worker options (the command line
 is parsed before task modules are imported).
 
-Importing this module (which importing ``celery_lease`` does) installs four process-wide
+Importing this module (which importing ``celery_lease`` does) installs five process-wide
 hooks, marked where they happen below: an ``os.register_at_fork`` child hook that drops
 inherited store connections, a ``worker_process_shutdown`` receiver and an ``atexit`` handler
-that release the leases still held, and a ``worker_process_init`` receiver that starts the
-passes over the wait lists in each prefork pool process.
+that release the leases still held, a ``worker_process_init`` receiver that starts the
+passes over the wait lists in each prefork pool process, and a ``task_failure`` receiver that
+logs a lease task whose pool process died (``_workerlog``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
 from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
+from ._workerlog import crash_recovery_warnings, on_task_failure, ttl_summary
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
 
@@ -256,6 +258,10 @@ signals.worker_process_init.connect(_on_process_init, weak=False)
 signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
 atexit.register(release_all_held)
 
+# Import-time side effect (5): a lease task whose prefork pool process died mid-task is logged
+# with its resource and fence by the worker's main process, where Celery reports it.
+signals.task_failure.connect(on_task_failure, weak=False)
+
 
 class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: applies ``--lease-*`` options and checks the store at start."""
@@ -328,6 +334,10 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
         app = worker.app
         settings = _check_settings(app)  # bad settings stop the worker here
+        tasks = _lease_task_settings(app)
+        # Here, in the worker's main process, once per worker start.
+        for warning in crash_recovery_warnings(app, tasks, _is_prefork(worker)):
+            log.warning("celery_lease: %s", warning)
         try:
             store = get_store(app, settings)
             warnings = store.check_health()
@@ -342,7 +352,9 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         for warning in warnings:
             log.warning("celery_lease: %s", warning)
-        log.info("celery_lease store %s ready (ttl %gs)", store.url, settings.ttl)
+        # Each task's own ttl: a task's ttl= overrides the app's lease_ttl.
+        ttls = {task.name: each.ttl for task, each in tasks}
+        log.info("celery_lease store %s ready (%s)", store.url, ttl_summary(settings.ttl, ttls))
 
     def _start_passes(self, worker: Any) -> None:
         """Pass over the wait lists in every process that runs tasks: the pool processes of
@@ -423,11 +435,27 @@ def _check_settings(app: Any) -> LeaseSettings:
     ``LeaseConfigError``). Not kept: a task resolves again at its first run (a test may change
     a setting after its worker started)."""
     settings = LeaseSettings.resolve(app.conf)
-    lease_task_types = tuple(_lease_task_types)
-    for task in list(app.tasks.values()):
-        if isinstance(task, lease_task_types):
-            cast("Any", task)._resolve_lease_settings()
+    _lease_task_settings(app)
     return settings
+
+
+def _lease_task_settings(app: Any) -> list[tuple[Any, LeaseSettings]]:
+    """Each lease task of ``app`` with its settings, resolved now and not kept (see above)."""
+    tasks = list(app.tasks.values())  # (first: reading them finalizes the app, binding them)
+    lease_task_types = tuple(_lease_task_types)
+    return [
+        (task, cast("Any", task)._resolve_lease_settings())
+        for task in tasks
+        if isinstance(task, lease_task_types)
+    ]
+
+
+def _is_prefork(worker: Any) -> bool:
+    """Whether the worker runs its tasks in prefork pool processes."""
+    from celery.concurrency.prefork import TaskPool as PreforkPool
+
+    pool = getattr(worker, "pool_cls", None)
+    return isinstance(pool, type) and issubclass(pool, PreforkPool)
 
 
 def _is_test_worker(worker: Any) -> bool:

@@ -157,6 +157,12 @@ class LeaseBusyError(LeaseError):
         return busy
 
 
+#: Lost-lease reasons a store gives after reading the lease record and finding no live holder
+#: (it ran out, was released or force-released, or the store lost its data): only then does a
+#: loss without a holder mean "nobody holds it now".
+NO_HOLDER_REASONS = frozenset({"expired", "released", "force_released", "store_reset"})
+
+
 class LeaseLostError(LeaseError):
     """This owner no longer holds the lease; it must stop acting on the resource.
 
@@ -197,8 +203,13 @@ class LeaseLostError(LeaseError):
             now = f"; now held by {holder_label!r}"
             if holder_fence is not None:
                 now += f" with fence {holder_fence}"
-        else:
+        elif reason in NO_HOLDER_REASONS:
             now = "; no live holder now"
+        else:
+            # The owner noticed by itself (its renewals failed, its runtime cap, a gate saw a
+            # newer fence) and did not ask the store: "no live holder" would be a guess, and a
+            # wrong one after a takeover.
+            now = "; who holds it now is not known here"
         return cls(
             f"lease on {resource!r} with fence {fence} is lost ({reason}){now}; "
             "stop acting on the resource",

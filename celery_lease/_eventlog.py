@@ -133,8 +133,10 @@ def lease_log(
         return False
     # A busy wait repeats by nature (a waiting task comes back every backoff, and many tasks
     # wait for one holder): its repeats are the same resource and holder. Any other event is a
-    # repeat only for the same task execution.
-    key = (event, resource or "", holder or "", "" if event in REPEATING else task_id or "")
+    # repeat only for the same task execution and effect or gate key (one execution may spare
+    # several effects).
+    execution = "" if event in REPEATING else f"{task_id or ''}|{fields.get('key') or ''}"
+    key = (event, resource or "", holder or "", execution)
     now = monotonic()
     with _lock:
         seen = _seen.get(key)

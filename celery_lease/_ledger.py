@@ -17,11 +17,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from celery._state import get_current_task
+
 from . import _events as events
 from . import _failpoints as failpoints
 from ._codec import decode, encode
 from ._errors import EffectUnresolvedError, LeaseConfigError
-from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value
+from ._eventlog import lease_log
+from ._names import RESOURCE_PATTERN, RESOURCE_RULE, holder_task_id, show_value
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -106,6 +109,13 @@ class Effect:
             self.done = self.replayed = True
             self.receipt = decode(receipt)
             events.count("celery_lease_effects_total", outcome="replayed")
+            _log(
+                "effect_done",
+                lease,
+                key=self.key,
+                done_fence=previous_fence,
+                action="effect already done: not run again, its receipt returned",
+            )
             return self
         if state == "intent":
             self.previous_fence = previous_fence
@@ -130,6 +140,17 @@ class Effect:
             if outcome is not REDO:
                 self._record_done(outcome, "reconciled")
                 self.replayed = True
+            _log(
+                "reconciled",
+                lease,
+                key=self.key,
+                previous_fence=previous_fence,
+                action=(
+                    "reconcile_effect said REDO: it did not take place, runs now"
+                    if outcome is REDO
+                    else "reconcile_effect returned its receipt: it took place, not run again"
+                ),
+            )
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -165,6 +186,27 @@ class Effect:
 
     def __repr__(self) -> str:
         return f"<Effect {self.key!r} of {self.lease.identity!r} done={self.done}>"
+
+
+def _log(event: str, lease: Lease, **fields: Any) -> None:
+    """One lease event line for an effect of ``lease`` (see ``_eventlog``), naming the task
+    execution that holds it when it is the one running here (its owner label ends with the
+    running task's id, see ``_names.holder_task_id``)."""
+    task = get_current_task()
+    task_id = getattr(getattr(task, "request", None), "id", None)
+    if task_id is None or holder_task_id(lease.owner.label) != task_id:
+        task = task_id = None
+    lease_log(
+        event,
+        logging.INFO,
+        resource=lease.resource,
+        fence=lease.fence,
+        holder=lease.owner.label,
+        task_id=task_id,
+        task=getattr(task, "name", None),
+        identity=lease.identity,
+        **fields,
+    )
 
 
 def write_checkpoint(lease: Lease, step: str, data: Any) -> None:

@@ -707,6 +707,8 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease,
             current_attempt=lease.identity_attempt,
             action="dropped a copy of a superseded attempt",
+            why=f"its task retried since: attempt {lease.identity_attempt} runs in a copy of its "
+            "own",
         )
         self._release(lease, found, None)
         raise Ignore(
@@ -726,6 +728,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             lease.owner.label,
             identity=lease.identity,
             attempt=self.request.retries or 0,
+            copy=_copy_kind(self.request),
             **fields,
         )
 
@@ -734,7 +737,11 @@ class LeaseTask(Task):  # type: ignore[misc]
         with the identity's record as it was found (a new message sharing the identity still
         runs) and end without storing a result (the FAILURE of the run that happened stays)."""
         request = self.request
-        self._log_dropped(lease, action="dropped a copy of a failed execution")
+        self._log_dropped(
+            lease,
+            action="dropped a copy of a failed execution",
+            why=f"attempt {request.retries or 0} already ran and failed; its FAILURE stays",
+        )
         why = (
             f"attempt {request.retries or 0} of {lease.identity!r} already ran and failed "
             f"(task id {request.id})"
@@ -826,8 +833,11 @@ class LeaseTask(Task):  # type: ignore[misc]
             resource,
             None,
             None,
+            copy=_copy_kind(request),
             state=state,
             action="dropped a copy of a finished task",
+            why=f"its task id already ended {state} in the result backend (another copy of it "
+            "ran, or gave up): running it again would repeat that or store over it",
         )
         if lease is not None:  # give it back with the identity's record as found
             found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
@@ -906,6 +916,7 @@ class LeaseTask(Task):  # type: ignore[misc]
             None,
             identity=done.identity,
             redelivered=redelivered,
+            copy=_copy_kind(request),
             action="returned the recorded result",
         )
         return decode(done.result)
@@ -965,8 +976,15 @@ class LeaseTask(Task):  # type: ignore[misc]
                 # A side effect saw a newer fence: a newer owner exists, our lease is lost.
                 interrupter.disarm()
                 outcome = "retry"
+                newer_fence, newer_holder = _newer_holder(lease, exc)
                 lost = lease.lost or lease.mark_lost(
-                    LeaseLostError.lost(lease.resource, lease.fence, "stale_fence")
+                    LeaseLostError.lost(
+                        lease.resource,
+                        lease.fence,
+                        "stale_fence",
+                        newer_holder,
+                        newer_fence if newer_holder is not None else None,
+                    )
                 )
                 self._log(
                     "stale_fence",
@@ -975,7 +993,9 @@ class LeaseTask(Task):  # type: ignore[misc]
                     lease.fence,
                     lease.owner.label,
                     key=exc.key,
-                    newer_fence=exc.highest,
+                    rejected_fence=exc.fence if exc.fence != lease.fence else None,
+                    newer_fence=newer_fence,
+                    newer_holder=newer_holder,
                 )
                 return self._lease_lost(lost, lease, settings)
             except SoftTimeLimitExceeded:
@@ -1659,7 +1679,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         signature.apply_async()
         if not store:
             raise Ignore(f"{exc}: sent again in {delay:.2f}s") from exc
-        raise Retry(exc=exc, when=delay, sig=signature)
+        raise Retry(_retry_message(exc, delay), exc=exc, when=delay, sig=signature)
 
     def _log(
         self,
@@ -1809,6 +1829,71 @@ def _skipped(busy: LeaseBusyError) -> LeaseBusyError:
     """The error of a task skipped by ``on_busy="skip"``: why, without "retry later"."""
     reason = str(busy).removesuffix(BUSY_ADVICE)
     return LeaseBusyError(f"skipped (on_busy='skip'): {reason}", *busy.args[1:])
+
+
+def _copy_kind(request: Any) -> str:
+    """Which copy of its execution a message is, for the ``duplicate`` line: one a release
+    woke (``woken``; ``early wake`` when sent as the release went out), the ``back-stop``
+    copy a refused claim re-queued, a ``redelivered`` message, or the ``message`` as sent."""
+    if _header(request, EARLY_HEADER) is not None:
+        return "early wake"
+    if _header(request, WOKEN_HEADER) is not None:
+        return "woken"
+    if int(_header(request, WAITS_HEADER) or 0):
+        return "back-stop"
+    if (request.delivery_info or {}).get("redelivered"):
+        return "redelivered"
+    return "message"
+
+
+def _newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, str | None]:
+    """The newer fence behind a side effect's refusal, and its holder when read from the store.
+
+    A ``FenceGate`` names the fence it accepted; a gateway's 409 may name none, and then the
+    store tells who holds the resource now (one read, on this rare path; nothing when it
+    fails or holds no newer lease)."""
+    if refused.highest is not None:
+        return refused.highest, None
+    try:
+        info = lease.store.get(lease.resource) if lease.store is not None else None
+    except LeaseError:
+        return None, None
+    if info is None or info.fence <= lease.fence:
+        return None, None
+    return info.fence, info.owner_label
+
+
+def _retry_message(exc: LeaseError, delay: float) -> str:
+    """What Celery's retry line says for an execution sent again (``Task proj.x[id] retry:
+    <this>``): one short sentence. Celery's own, ``Retry in 15.0s: <the error's repr>``, ran to
+    300 characters and named the back-stop's delay, while a listed waiter is woken by the
+    release, often within milliseconds. The holder's label is left to the ``busy`` event line
+    and the RETRY state (the whole error goes to the result backend, as before)."""
+    if not isinstance(exc, LeaseBusyError):
+        return f"{exc}: sent again in {delay:.2f}s"
+    if exc.duplicate:
+        return (
+            f"busy: a copy of this execution holds {exc.resource} (fence {exc.fence}): "
+            f"looking again in {delay:.2f}s"
+        )
+    held = f"busy: {exc.resource} is held (fence {exc.fence})"
+    if exc.position and exc.polling:
+        # Why its place polls (no identity, its message too big, no room), as _lease_busy put
+        # it after the advice.
+        _, _, note = str(exc).partition(BUSY_ADVICE)
+        return (
+            f"{held}: polling at place {exc.position} of its wait list, back in {delay:.1f}s"
+            f"{' ' + note.strip() if note.strip() else ''}"
+        )
+    if exc.position:
+        return (
+            f"{held}: waiting at place {exc.position} of its wait list, woken when it is "
+            f"released (back-stop copy in {delay:.1f}s)"
+        )
+    # Why it is not in the wait list (full, or its message too big), as _lease_busy appended
+    # it after the advice: the busy event line saying so is logged once per 10 s only.
+    _, _, note = str(exc).partition(BUSY_ADVICE)
+    return f"{held}: trying again in {delay:.2f}s{' ' + note.strip() if note.strip() else ''}"
 
 
 def _busy_fields(busy: LeaseBusyError) -> dict[str, Any]:

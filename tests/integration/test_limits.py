@@ -170,7 +170,9 @@ def test_worker_command_line_options_set_the_lease_defaults(
     assert seen["ttl"] == 7.5
     assert seen["max_runtime"] == 120.0
     assert seen["store"].startswith("redis://") and seen["store"].endswith("/1"), seen
-    assert "ready (ttl 7.5s)" in worker.log()
+    # (the app's tasks run with --lease-ttl but the few that set a ttl of their own)
+    assert "ready (ttl 7.5s for " in worker.log()
+    assert "; 1s for tests.integration.eo_tasks." in worker.log()
 
 
 def test_on_busy_fail_and_skip(it_app, start_worker, store_env, events, queue):

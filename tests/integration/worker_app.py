@@ -57,6 +57,8 @@ app.conf.update(
 )
 if env.get("CL_TRACK_STARTED"):
     app.conf.task_track_started = True
+if env.get("CL_REJECT_ON_WORKER_LOST") == "0":  # Celery's default: a killed child's step fails
+    app.conf.task_reject_on_worker_lost = False
 if env.get("CL_NO_BACKEND"):  # no result backend (Celery's DisabledBackend)
     app.conf.result_backend = None
 if env.get("CL_WAKE_QUEUE"):  # unset: the library's default (on)
