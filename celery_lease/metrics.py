@@ -78,13 +78,13 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "celery_lease_busy_waits_total": ("Tasks re-queued to wait for a busy resource", ()),
     "celery_lease_wait_list_full_total": (
-        "Refused claims that asked to join the wait list and found it at its cap (they wait "
-        "with the back-off instead)",
+        "Refused claims that asked to join the wait list and found no room for their message "
+        "(they poll in their place instead, or past the places' cap wait with the back-off)",
         (),
     ),
     "celery_lease_wait_payload_too_large_total": (
-        "Refused claims of tasks whose wake message is over lease_handoff_max_payload: they "
-        "did not ask to join the wait list and wait with the back-off instead",
+        "Refused claims of tasks whose wake message is over lease_handoff_max_payload: their "
+        "message is not kept and they poll in their place instead",
         (),
     ),
     "celery_lease_duplicates_total": (
@@ -104,7 +104,9 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "celery_lease_handoffs_total": (
         "Waiting tasks woken at once: by the release that handed the resource over (release), "
-        "or by a claim that found the head waiter never woken, its releaser gone (claim)",
+        "by a claim that found the head waiter never woken (claim), by a turn check after a "
+        "woken waiter missed its grace (turn), by a pass over the wait lists (pass), by an "
+        "eviction (evict) or the sweeper (sweep)",
         ("by",),
     ),
     "celery_lease_sweeps_total": (
