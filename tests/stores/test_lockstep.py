@@ -28,6 +28,14 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, Phase, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from celery_lease import IdentityDoneError, LeaseBusyError, LeaseLostError, Owner
 from celery_lease.stores.base import POLL
@@ -381,3 +389,149 @@ class TestNegativeControl:
             waits.Waits.read = kept
         assert caught is not None, "the old rule went unnoticed"
         print(caught)
+
+
+# -- the same comparison, its steps chosen by Hypothesis ------------------------------------------
+#: Examples per run in CI (each builds every store afresh and sleeps through its bursts: about
+#: ten seconds); CELERY_LEASE_LOCKSTEP_EXAMPLES sets more, with shrinking.
+LOCKSTEP_EXAMPLES = int(os.environ.get("CELERY_LEASE_LOCKSTEP_EXAMPLES", "0"))
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    """Every store through the steps Hypothesis picks; a step that finds the burst's time spent
+    waits for the next burst first, so every deadline still falls between bursts."""
+
+    make: Any = None  # set per test: builds the sides
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sides: list[Side] = type(self).make()
+        self.start = time.monotonic()
+        self.period = 0
+        self.history: list[str] = []
+
+    def _burst(self) -> None:
+        """Be inside a burst: wait for the next one when this one's time is spent."""
+        if time.monotonic() - self.start - self.period * PERIOD >= BURST * 0.6:
+            self.next_burst()
+
+    def _step(self, kind: str, *args: Any) -> None:
+        self._burst()
+        answers = [getattr(side, kind)(*args) for side in self.sides]
+        views = [side.view() for side in self.sides]
+        overran = time.monotonic() - self.start - self.period * PERIOD >= BURST
+        self.history.append(f"{self.period}: {kind}{args} -> {answers[0]}; list {views[0]}")
+        if any(a != answers[0] for a in answers) or any(v != views[0] for v in views):
+            if overran:  # (a deadline may have fallen between two stores' runs)
+                assume(False)
+            lines = [
+                f"  {side.kind}: {answer}, list {view}"
+                for side, answer, view in zip(self.sides, answers, views, strict=True)
+            ]
+            raise AssertionError(
+                f"period {self.period}: {kind}{args}\n"
+                + "\n".join(lines)
+                + "\nsteps:\n  "
+                + "\n  ".join(self.history)
+            )
+        if overran:
+            assume(False)
+
+    def teardown(self) -> None:
+        if os.environ.get("CELERY_LEASE_LOCKSTEP_SHOW"):
+            print("example:\n  " + "\n  ".join(self.history))
+
+    @rule()
+    def next_burst(self) -> None:
+        self.period = int((time.monotonic() - self.start) // PERIOD) + 1
+        pause = self.start + self.period * PERIOD - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+
+    @rule(
+        name=st.sampled_from(NAMES),
+        retry=st.booleans(),
+        wait=st.sampled_from([True, True, True, False]),
+        ttl=st.sampled_from([SHORT, LONG]),
+        attempt=st.sampled_from([None, 0, 1]),
+        how=st.sampled_from(["id", "id", "poll", "waiter"]),
+        ago=st.sampled_from([None, None, 5.0, 10.0, 20.0]),
+    )
+    def claim(
+        self,
+        name: str,
+        retry: bool,
+        wait: bool,
+        ttl: float,
+        attempt: int | None,
+        how: str,
+        ago: float | None,
+    ) -> None:
+        since = None if ago is None else int((time.time() - ago) * 1e6)
+        self._step("claim", name, retry, wait, ttl, attempt, how, since)
+
+    def _held(self) -> list[str]:
+        return sorted(self.sides[0].held)
+
+    @precondition(lambda self: self.sides[0].held)
+    @rule(data=st.data(), outcome=st.sampled_from([None, None, "retry", "done"]))
+    def release(self, data: Any, outcome: str | None) -> None:
+        self._step("release", data.draw(st.sampled_from(self._held())), outcome)
+
+    @precondition(lambda self: self.sides[0].held)
+    @rule(data=st.data())
+    def renew(self, data: Any) -> None:
+        self._step("renew", data.draw(st.sampled_from(self._held())))
+
+    @rule(data=st.data())
+    def evict(self, data: Any) -> None:
+        self._step("evict", data.draw(st.sampled_from([*self._held(), None])))
+
+    @rule(every=st.booleans())
+    def wake_due(self, every: bool) -> None:
+        self._step("wake_due", every)
+
+    @rule()
+    def sweep(self) -> None:
+        self._step("sweep")
+
+
+@pytest.mark.postgres
+def test_every_store_decides_alike_on_hypothesis_steps(make_sides):
+    LockstepMachine.make = make_sides
+    chosen = settings(
+        max_examples=LOCKSTEP_EXAMPLES or 2,
+        stateful_step_count=14,
+        deadline=None,
+        database=None,
+        derandomize=not LOCKSTEP_EXAMPLES,  # (CI: the same steps every run)
+        phases=[Phase.generate, Phase.shrink] if LOCKSTEP_EXAMPLES else [Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    run_state_machine_as_test(LockstepMachine, settings=chosen)
+
+
+def test_negative_control_the_machine_catches_a_store_that_wakes_nobody(make_sides, monkeypatch):
+    """The memory store's release frees the resource but never says whom it woke: the machine's
+    steps (a holder, a waiter, the release) tell it apart from Redis."""
+    from celery_lease.stores.memory import MemoryLeaseStore
+
+    real = MemoryLeaseStore.release
+
+    def release(self: Any, lease: Any, **kwargs: Any) -> bool:
+        released = real(self, lease, **kwargs)
+        lease.handoff = None  # (nobody is told whom it woke)
+        return bool(released)
+
+    monkeypatch.setattr(MemoryLeaseStore, "release", release)
+    LockstepMachine.make = lambda: make_sides(kinds=("memory", "redis"))
+    machine = LockstepMachine()
+    machine.claim("w4", False, False, LONG, None, "id", None)
+    machine.claim("w0", False, True, LONG, 0, "id", None)
+
+    class Drawn:
+        def draw(self, strategy: Any) -> str:
+            return "w4"
+
+    with pytest.raises(AssertionError, match="memory"):
+        machine.release(Drawn(), None)
