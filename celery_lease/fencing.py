@@ -5,7 +5,10 @@ still holds the lease. The fence makes that safe only if the side effect checks 
 with the write:
 
 * :class:`FenceGate` - keeps, per key, the highest fence it admitted, and admits a write only if
-  its fence is at least that high (a Redis script or one SQL statement, in any lease store).
+  its fence is at least that high (a Redis script or one SQL statement, in any lease store). A
+  gate on the lease store itself (``store=`` the lease store, or its URL and prefix) also
+  refuses, for a key that is a lease resource, every fence older than the newest the store
+  granted, whether or not its holder has written yet.
 * :func:`fenced_update` - a SQLAlchemy ``UPDATE ... SET ..., fence = :fence WHERE ... AND
   fence <= :fence`` for Core tables and ORM models.
 * :func:`fenced_set`, :func:`fenced_hset` - Redis writes by script that keep the highest fence
@@ -68,6 +71,14 @@ def _fence_of(fence: int | Lease) -> int:
 class FenceGate:
     """Admits a fence for a key only if it is >= every fence admitted for that key before.
 
+    A gate that shares the lease store (``store=`` the lease store, or the lease store's URL
+    and ``key_prefix`` / ``table_prefix``; Redis: and ``shards``) knows every fence the store
+    granted: for a key that is a lease resource, it also refuses every fence older than the
+    newest granted for that resource, from the moment the newer claim returned (its holder may
+    not have written yet) and after a force-release, in the same atomic step as the admit. Use
+    the resource as the key to get this. A gate on a store of its own knows only the fences it
+    admitted: an old owner can still write until the newer one first passes the gate.
+
     Args:
         url: the same URLs as the lease stores (``redis://``, ``postgresql+psycopg://``,
             ``sqlite:///``, ``memory://``); the gate can live next to the side effect rather
@@ -81,11 +92,11 @@ class FenceGate:
     ```python
     from celery_lease import FenceGate, current_lease, lease_task
 
-    gate = FenceGate("postgresql+psycopg://app@db/app")
+    gate = FenceGate("postgresql+psycopg://app@db/app")  # the lease store's URL
 
     @lease_task(resource="invoice/{invoice_id}")
     def send_invoice(invoice_id: int) -> None:
-        gate.admit(f"invoice:{invoice_id}", current_lease().fence)  # or StaleFenceError
+        gate.admit(f"invoice/{invoice_id}", current_lease())  # or StaleFenceError
         ...  # the write, only once admit() returned
     ```
     """
@@ -109,7 +120,8 @@ class FenceGate:
             The admitted fence.
 
         Raises:
-            StaleFenceError: a newer fence was admitted for ``key`` before; nothing changed.
+            StaleFenceError: a newer fence was admitted for ``key`` before, or (a gate sharing
+                the lease store) granted for the resource ``key``; nothing changed.
             LeaseConfigError: ``key`` is not a valid name or ``fence`` not an integer.
             LeaseStoreError: the gate's store failed; treat the write as not admitted.
         """
