@@ -196,6 +196,20 @@ class RedisLeaseStore(BaseLeaseStore):
         kinds = self._key_names[shard]
         return [kinds[name] for name in names]
 
+    def hash_tag(self, resource: str) -> str:
+        """The Redis Cluster hash tag of ``resource``'s keys, e.g. ``{0a}``.
+
+        A key of your own whose name contains it is in the same slot as the resource's lease
+        keys, so a script may touch both: :func:`~celery_lease.fencing.fenced_hset` with
+        ``store=`` needs that on a cluster (``f"app:{store.hash_tag(resource)}:doc"``). The tag
+        is built by the store from the resource's shard, never from the name itself.
+        """
+        return f"{{{self.shard_of(validate_resource(resource)):02x}}}"
+
+    def _fences_key(self, resource: str) -> str:
+        """The fences hash of ``resource``'s shard (field ``resource``: its newest fence)."""
+        return self._keys(self.shard_of(validate_resource(resource)), "fences")[0]
+
     # -- plumbing --------------------------------------------------------------------------
     def _run(self, what: str, subject: object = None) -> Translate:
         """Translate driver errors: the single place where redis exceptions are caught.
