@@ -29,7 +29,6 @@ import random
 import re
 import socket
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar
 from dataclasses import fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -68,7 +67,7 @@ from ._errors import (
 from ._eventlog import lease_log
 from ._eventlog import log as event_log
 from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
-from ._lease import Lease, Owner, identity_outcome
+from ._lease import CURRENT_LEASE, Lease, Owner, identity_outcome
 from ._names import IDENTITY_RULE, did_you_mean, mask_url, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._pid import getpid
@@ -178,7 +177,7 @@ _RELEASED = events.Recorder(
     metrics.Series("h", "celery_lease_hold_seconds"),
 )
 
-_current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
+_current = CURRENT_LEASE  # (defined below the task layer: the fencing helpers read it)
 
 
 def current_lease() -> Lease:

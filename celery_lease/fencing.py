@@ -16,7 +16,12 @@ with the write:
   next to the data (``store=``: also check the grants of the Redis lease store, same script).
 * :func:`fencing_headers` and :func:`check_fencing_token` - an HTTP header (``Fencing-Token``)
   that a client sets and any WSGI/ASGI gateway checks, optionally signed with HMAC-SHA256
-  (:class:`FenceSigner`, key ids for rotation) so that a caller cannot forge a higher fence.
+  (:class:`FenceSigner`, key ids for rotation, an expiry) so that a caller cannot forge a
+  higher fence.
+* :func:`fenced_request` (:func:`fenced_request_async`) and :func:`raise_for_fence` - the
+  client side, for ``requests`` and ``httpx``: sends the token and turns the gateway's 409 into
+  :class:`~celery_lease.StaleFenceError` and its 403 into
+  :class:`~celery_lease.InvalidFenceTokenError`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ from typing import Any
 from . import _clock
 from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
+from ._fence_client import (
+    FENCING_HEADER,
+    fenced_request,
+    fenced_request_async,
+    fencing_headers,
+    raise_for_fence,
+)
 from ._interrupt import raise_if_interrupted, shielded
 from ._lease import Lease
 from ._names import (
@@ -51,13 +63,15 @@ __all__ = [
     "check_fencing_token",
     "fenced_get",
     "fenced_hset",
+    "fenced_request",
+    "fenced_request_async",
     "fenced_set",
     "fenced_update",
     "fencing_headers",
+    "raise_for_fence",
     "token_from_request",
 ]
 
-FENCING_HEADER = "Fencing-Token"
 _KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
 #: Fences are 64-bit on every store (SQL BIGINT); a larger one is no fence we issued.
 _MAX_FENCE = 2**63 - 1
@@ -501,9 +515,21 @@ class FenceSigner:
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
     def sign(self, resource: str, fence: int, *, expires_in: float | None = None) -> str:
-        """A token ``v1.<kid>.<resource b64>.<fence>.<expiry or 0>.<mac>``."""
+        """A token ``v1.<kid>.<resource b64>.<fence>.<expiry or 0>.<mac>``.
+
+        Args:
+            resource: the lease's resource.
+            fence: the lease's fence.
+            expires_in: seconds from now after which :meth:`verify` refuses the token. The
+                expiry is a Unix time in whole seconds (rounded down) from this machine's wall
+                clock, and the verifier compares it with its own: leave room for the clocks'
+                difference. None (0 in the token): it never expires. An expiry bounds how long a
+                copied token (a log, a proxy) can be replayed; the fence order alone already
+                refuses it once a newer owner's fence reached the gateway.
+        """
         validate_resource(resource)
-        expiry = 0 if expires_in is None else int(_clock.wall() + expires_in)
+        # (never 0, which means "no expiry": a lifetime that already ended stays ended)
+        expiry = 0 if expires_in is None else max(1, int(_clock.wall() + expires_in))
         encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")
         payload = f"v1.{self.active}.{encoded}.{int(fence)}.{expiry}"
         return f"{payload}.{self._mac(self.active, payload)}"
@@ -547,17 +573,6 @@ class FenceSigner:
         if deadline and _clock.wall() > deadline:
             raise InvalidFenceTokenError("fencing token expired")
         return resource, value
-
-
-def fencing_headers(lease: Lease, *, signer: FenceSigner | None = None) -> dict[str, str]:
-    """Headers a client sends with a fenced call: ``{"Fencing-Token": ...}``.
-
-    Unsigned: ``<resource>;<fence>``. With a signer: a signed token, so the gateway can reject a
-    caller that invents a higher fence.
-    """
-    if signer is not None:
-        return {FENCING_HEADER: signer.sign(lease.resource, lease.fence)}
-    return {FENCING_HEADER: f"{lease.resource};{lease.fence}"}
 
 
 def token_from_request(request: Any) -> str | None:

@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("store factory", {"stores", "stores.urls"}),
-    ("celery wiring", {"_app", "_wakes", "fencing"}),
+    ("celery wiring", {"_app", "_wakes", "fencing", "_fence_client"}),
     ("tasks", {"_task", "_sweeper", "_release"}),
     (
         "entry points",
