@@ -221,12 +221,14 @@ class LeaseLostError(LeaseError):
 
 
 class StaleFenceError(LeaseError):
-    """A fenced side effect rejected a fence older than the newest one it accepted.
+    """A fenced side effect rejected a fence older than the newest one it accepted, or (a gate
+    or fenced write that checks the lease store) older than the newest the store granted.
 
     Attributes:
         key: the fenced key (resource, row, gateway key).
         fence: the rejected fence.
-        highest: the newest fence the side effect had accepted, when known.
+        highest: the newest fence the side effect had accepted or the store granted, when
+            known.
     """
 
     def __init__(
@@ -246,8 +248,8 @@ class StaleFenceError(LeaseError):
         """Build the error with a message naming the key and both fences."""
         newer = "a newer fence" if highest is None else f"fence {highest}"
         return cls(
-            f"stale fence {fence} rejected for {key!r}: it already accepted {newer}; "
-            "a newer owner holds the lease, stop acting",
+            f"stale fence {fence} rejected for {key!r}: {newer} was accepted or granted "
+            "there before; a newer owner holds the lease, stop acting",
             key,
             fence,
             highest,

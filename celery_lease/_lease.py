@@ -13,6 +13,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,14 @@ if TYPE_CHECKING:
     from ._ledger import Effect
     from .stores.base import LeaseStore
 
-__all__ = ["DEFAULT_MARGIN_FRACTION", "Lease", "LeaseInfo", "Owner", "from_micros"]
+__all__ = [
+    "CURRENT_LEASE",
+    "DEFAULT_MARGIN_FRACTION",
+    "Lease",
+    "LeaseInfo",
+    "Owner",
+    "from_micros",
+]
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -388,3 +396,9 @@ class Lease:
             f"<Lease {self.resource!r} fence={self.fence} owner={self.owner.label!r} "
             f"expires_at={self.expires_at.isoformat()} {state}>"
         )
+
+
+#: The lease of the lease task execution running in this context, None outside one. Set by
+#: LeaseTask around the body; read by ``current_lease()`` and by the fencing helpers, which sit
+#: below the task layer (so it lives here, not in _task).
+CURRENT_LEASE: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)

@@ -33,7 +33,6 @@ import random
 import re
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -73,7 +72,7 @@ from ._eventlog import SHORTEN_LOOKAHEAD, lease_log, shorten
 from ._eventlog import log as event_log
 from ._gates import Gate, Gates, Refusal, check_gates
 from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
-from ._lease import Lease, Owner, identity_outcome
+from ._lease import CURRENT_LEASE, Lease, Owner, identity_outcome
 from ._names import (
     IDENTITY_RULE,
     MAX_LABEL_LENGTH,
@@ -209,7 +208,7 @@ _RELEASED = events.Recorder(
     metrics.Series("h", "celery_lease_hold_seconds"),
 )
 
-_current: ContextVar[Lease | None] = ContextVar("celery_lease_current", default=None)
+_current = CURRENT_LEASE  # (defined below the task layer: the fencing helpers read it)
 
 
 def current_lease() -> Lease:

@@ -683,7 +683,7 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
 #: What ``init-schema`` prints for a Redis store: the ACL a least-privilege user needs.
 REDIS_ACL = (
     "ACL SETUSER <user> on ><password> resetkeys ~{prefix}* resetchannels -@all +evalsha "
-    "+script|load +ping +time +get +set +hmget +hget +hset +hdel +zadd +zrem +zrangebyscore "
+    "+script|load +ping +time +get +hmget +hget +hset +hdel +zadd +zrem +zrangebyscore "
     "+zscore +hscan"
 )
 

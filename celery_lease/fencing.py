@@ -5,14 +5,23 @@ still holds the lease. The fence makes that safe only if the side effect checks 
 with the write:
 
 * :class:`FenceGate` - keeps, per key, the highest fence it admitted, and admits a write only if
-  its fence is at least that high (a Redis script or one SQL statement, in any lease store).
+  its fence is at least that high (a Redis script or one SQL statement, in any lease store). A
+  gate on the lease store itself (``store=`` the lease store, or its URL and prefix) also
+  refuses, for a key that is a lease resource, every fence older than the newest the store
+  granted, whether or not its holder has written yet.
 * :func:`fenced_update` - a SQLAlchemy ``UPDATE ... SET ..., fence = :fence WHERE ... AND
-  fence <= :fence`` for Core tables and ORM models.
+  fence <= :fence`` for Core tables and ORM models (``store=``: also checks the grants of a SQL
+  lease store in the same database, in the same statement).
 * :func:`fenced_set`, :func:`fenced_hset` - Redis writes by script that keep the highest fence
-  next to the data.
+  next to the data (``store=``: also check the grants of the Redis lease store, same script).
 * :func:`fencing_headers` and :func:`check_fencing_token` - an HTTP header (``Fencing-Token``)
   that a client sets and any WSGI/ASGI gateway checks, optionally signed with HMAC-SHA256
-  (:class:`FenceSigner`, key ids for rotation) so that a caller cannot forge a higher fence.
+  (:class:`FenceSigner`, key ids for rotation, an expiry) so that a caller cannot forge a
+  higher fence.
+* :func:`fenced_request` (:func:`fenced_request_async`) and :func:`raise_for_fence` - the
+  client side, for ``requests`` and ``httpx``: sends the token and turns the gateway's 409 into
+  :class:`~celery_lease.StaleFenceError` and its 403 into
+  :class:`~celery_lease.InvalidFenceTokenError`.
 """
 
 from __future__ import annotations
@@ -28,9 +37,23 @@ from typing import Any
 from . import _clock
 from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
+from ._fence_client import (
+    FENCING_HEADER,
+    fenced_request,
+    fenced_request_async,
+    fencing_headers,
+    raise_for_fence,
+)
 from ._interrupt import raise_if_interrupted, shielded
 from ._lease import Lease
-from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, validate_fence, validate_resource
+from ._names import (
+    RESOURCE_PATTERN,
+    RESOURCE_RULE,
+    mask_url,
+    show_value,
+    validate_fence,
+    validate_resource,
+)
 from .stores import LeaseStore, store_from_url
 from .stores.base import FenceGateStore, ReadableFenceGateStore
 
@@ -40,13 +63,15 @@ __all__ = [
     "check_fencing_token",
     "fenced_get",
     "fenced_hset",
+    "fenced_request",
+    "fenced_request_async",
     "fenced_set",
     "fenced_update",
     "fencing_headers",
+    "raise_for_fence",
     "token_from_request",
 ]
 
-FENCING_HEADER = "Fencing-Token"
 _KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
 #: Fences are 64-bit on every store (SQL BIGINT); a larger one is no fence we issued.
 _MAX_FENCE = 2**63 - 1
@@ -64,9 +89,35 @@ def _fence_of(fence: int | Lease) -> int:
     return validate_fence(fence.fence if isinstance(fence, Lease) else fence, fence)
 
 
+def _resource_of(helper: str, fence: int | Lease, resource: str | None) -> str:
+    """The lease resource whose granted fences a helper given ``store=`` checks."""
+    if resource is None:
+        if not isinstance(fence, Lease):
+            raise LeaseConfigError(
+                f"{helper}(store=...) checks the fences the store granted for a resource: pass "
+                "the lease itself as the fence, or name its resource with resource="
+            )
+        return fence.resource
+    validate_resource(resource)
+    if isinstance(fence, Lease) and fence.resource != resource:
+        raise LeaseConfigError(
+            f"{helper}: resource={resource!r} is not the lease's resource "
+            f"{fence.resource!r}; a fence orders the holders of its own resource only"
+        )
+    return resource
+
+
 # -- the gate -------------------------------------------------------------------------------------
 class FenceGate:
     """Admits a fence for a key only if it is >= every fence admitted for that key before.
+
+    A gate that shares the lease store (``store=`` the lease store, or the lease store's URL
+    and ``key_prefix`` / ``table_prefix``; Redis: and ``shards``) knows every fence the store
+    granted: for a key that is a lease resource, it also refuses every fence older than the
+    newest granted for that resource, from the moment the newer claim returned (its holder may
+    not have written yet) and after a force-release, in the same atomic step as the admit. Use
+    the resource as the key to get this. A gate on a store of its own knows only the fences it
+    admitted: an old owner can still write until the newer one first passes the gate.
 
     Args:
         url: the same URLs as the lease stores (``redis://``, ``postgresql+psycopg://``,
@@ -81,11 +132,11 @@ class FenceGate:
     ```python
     from celery_lease import FenceGate, current_lease, lease_task
 
-    gate = FenceGate("postgresql+psycopg://app@db/app")
+    gate = FenceGate("postgresql+psycopg://app@db/app")  # the lease store's URL
 
     @lease_task(resource="invoice/{invoice_id}")
     def send_invoice(invoice_id: int) -> None:
-        gate.admit(f"invoice:{invoice_id}", current_lease().fence)  # or StaleFenceError
+        gate.admit(f"invoice/{invoice_id}", current_lease())  # or StaleFenceError
         ...  # the write, only once admit() returned
     ```
     """
@@ -109,7 +160,8 @@ class FenceGate:
             The admitted fence.
 
         Raises:
-            StaleFenceError: a newer fence was admitted for ``key`` before; nothing changed.
+            StaleFenceError: a newer fence was admitted for ``key`` before, or (a gate sharing
+                the lease store) granted for the resource ``key``; nothing changed.
             LeaseConfigError: ``key`` is not a valid name or ``fence`` not an integer.
             LeaseStoreError: the gate's store failed; treat the write as not admitted.
         """
@@ -147,6 +199,8 @@ def fenced_update(
     fence: int | Lease,
     *,
     fence_column: str = "fence",
+    store: LeaseStore | None = None,
+    resource: str | None = None,
 ) -> int:
     """Update the rows ``where`` matches, all of them or none: none if any carries a newer fence.
 
@@ -165,13 +219,34 @@ def fenced_update(
     ``NOT EXISTS`` subquery over the same rows. A NULL fence counts as older than any. Works
     with a Core ``Table`` or an ORM model, on a ``Connection`` or a ``Session``.
 
+    The rows only know the fences that wrote them. Given the SQL lease store (``store=``) whose
+    tables are in this connection's database, the same statement also refuses a fence older
+    than the newest the store granted for the lease's resource (``AND NOT EXISTS (SELECT 1 FROM
+    <leases> WHERE resource = :resource AND fence > :fence)``): from the moment a newer claim
+    returned, also while its holder has not written yet, and after a force-release.
+
+    Args:
+        connection: a SQLAlchemy ``Connection`` or ``Session``.
+        target: a Core ``Table`` or an ORM model with a nullable BIGINT fence column.
+        where: the condition of the rows to update.
+        values: the new values (SQL expressions allowed).
+        fence: the writer's fence, or its :class:`Lease`.
+        fence_column: the name of the table's fence column.
+        store: the :class:`~celery_lease.stores.SQLLeaseStore` that granted the lease, whose
+            tables this connection reaches (same database; checked by dialect and database
+            name). A lease store elsewhere (Redis, another database) cannot be read in the same
+            statement: admit through ``FenceGate(store=lease_store)`` right before instead.
+        resource: the lease's resource, when ``fence`` is a number (a Lease names its own).
+
     Returns:
         the number of rows updated (>= 1).
 
     Raises:
-        StaleFenceError: a matching row carries a newer fence; no row was written.
+        StaleFenceError: a matching row carries a newer fence, or the store granted a newer
+            one for the resource; no row was written.
         LookupError: no row matches ``where``.
-        LeaseConfigError: the table has no ``fence_column``.
+        LeaseConfigError: the table has no ``fence_column``; ``store`` is no SQL lease store of
+            this database, or the resource is unknown or not the lease's.
     """
     import sqlalchemy as sa
 
@@ -185,6 +260,16 @@ def fenced_update(
         )
     column = table.c[fence_column]
     bind = connection.get_bind() if hasattr(connection, "get_bind") else connection
+    granted = None  # the store's grant check, when store= is given
+    if store is not None:
+        named = _resource_of("fenced_update", fence, resource)
+        leases = _sql_leases(store, bind)
+        granted = (
+            sa.select(leases.c.fence)
+            .where(leases.c.resource == named)
+            .where(leases.c.fence > value)
+            .correlate(None)
+        )
     if bind.dialect.name == "postgresql":
         locked = (
             sa.select(column.label("fence"))
@@ -211,6 +296,10 @@ def fenced_update(
         .where(sa.or_(column.is_(None), column <= value))  # (each row's own check, kept)
         .values({**values, fence_column: value})
     )
+    if granted is not None:
+        # Read in the statement's snapshot: every claim committed before it began counts (on
+        # PostgreSQL under READ COMMITTED, the default; see docs/fencing.md).
+        statement = statement.where(~granted.exists())
     # Shielded: a lease interrupt waits until the driver call returns (a connection cut off
     # mid-command would fail the transaction's rollback and hide the LeaseLostError).
     with shielded():
@@ -220,23 +309,75 @@ def fenced_update(
         newest = connection.execute(sa.select(sa.func.max(column)).where(where)).scalar()
         exists = connection.execute(sa.select(sa.func.count()).select_from(table).where(where))
         found = exists.scalar()
+        if granted is not None and found:
+            newest = max(
+                (f for f in (newest, connection.execute(granted).scalar()) if f is not None),
+                default=None,
+            )
     if not found:
         raise LookupError(f"no row of {table.name} matches the fenced update's condition")
     events.count("celery_lease_stale_fence_rejections_total")
     raise StaleFenceError.rejected(f"{table.name} row", value, newest)
 
 
+def _sql_leases(store: LeaseStore, bind: Any) -> Any:
+    """The leases table of ``store``, a SQL lease store of the database ``bind`` reaches."""
+    from .stores.sql import SQLLeaseStore
+
+    if not isinstance(store, SQLLeaseStore):
+        raise LeaseConfigError(
+            f"fenced_update(store={show_value(store)}): the store's grants are read in the same "
+            "SQL statement, so store= takes the SQLLeaseStore whose tables are in this "
+            "connection's database; for a lease store elsewhere, admit the fence with "
+            "FenceGate(store=lease_store).admit(...) right before the write"
+        )
+    here, there = bind.engine.url, store.engine.url
+    if bind.engine is not store.engine and not _same_database(here, there):
+        raise LeaseConfigError(
+            f"fenced_update: the lease store {store.url} is not in this connection's "
+            f"database ({mask_url(here.render_as_string(hide_password=True))}); pass a "
+            "connection to the lease store's database, or admit the fence with "
+            "FenceGate(store=lease_store).admit(...) right before the write"
+        )
+    return store.leases_table
+
+
+def _same_database(here: Any, there: Any) -> bool:
+    """Whether two SQLAlchemy URLs name one database (dialect and database name; SQLite: the
+    same file). Hosts are not compared: one server has many names."""
+    import os.path
+
+    if here.get_backend_name() != there.get_backend_name():
+        return False
+    if here.get_backend_name() == "sqlite":
+        files = [url.database or "" for url in (here, there)]
+        return (
+            "" not in files
+            and ":memory:" not in files
+            and (os.path.realpath(files[0]) == os.path.realpath(files[1]))
+        )
+    return bool(here.database == there.database)
+
+
 # -- Redis ----------------------------------------------------------------------------------------
 _SET_SCRIPT = """
--- KEYS[1] the hash that holds the value and its fence
--- ARGV[1] fence, ARGV[2] fence field, then field/value pairs
--- writes the pairs and the fence unless the stored fence is newer
--- returns {1, fence} when written, {0, stored fence} when refused
+-- KEYS[1] the hash that holds the value and its fence; KEYS[2], when given, the lease store's
+-- fences hash of the resource's shard (in KEYS[1]'s slot on a cluster)
+-- ARGV[1] fence, ARGV[2] fence field, ARGV[3] the lease resource ('' without KEYS[2]), then
+-- field/value pairs
+-- writes the pairs and the fence unless the stored fence, or the newest fence the lease store
+-- granted for the resource, is newer
+-- returns {1, fence} when written, {0, newer fence} when refused
+local fence = tonumber(ARGV[1])
 local stored = redis.call('HGET', KEYS[1], ARGV[2])
-if stored and tonumber(stored) > tonumber(ARGV[1]) then return {0, tonumber(stored)} end
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if stored and tonumber(stored) > fence then return {0, stored} end
+if KEYS[2] then
+  local granted = redis.call('HGET', KEYS[2], ARGV[3])
+  if granted and tonumber(granted) > fence then return {0, granted} end
+end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[1])
-return {1, tonumber(ARGV[1])}
+return {1, ARGV[1]}
 """
 _scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -248,34 +389,96 @@ def fenced_hset(
     fence: int | Lease,
     *,
     fence_field: str = "fence",
+    store: LeaseStore | None = None,
+    resource: str | None = None,
 ) -> int:
     """Write ``mapping`` into the Redis hash ``key`` unless it carries a newer fence.
 
-    One script call; the hash keeps the highest fence in ``fence_field``.
+    One script call; the hash keeps the highest fence in ``fence_field``. The hash only knows
+    the fences that wrote it. Given the Redis lease store (``store=``) that granted the lease,
+    on the server (or cluster) ``client`` talks to, the same script also refuses a fence older
+    than the newest the store granted for the lease's resource: from the moment a newer claim
+    returned, also while its holder has not written yet, and after a force-release.
+
+    Args:
+        client: a ``redis.Redis`` or ``redis.cluster.RedisCluster``.
+        key: the hash to write.
+        mapping: the fields to write (not the fence field).
+        fence: the writer's fence, or its :class:`Lease`.
+        fence_field: the hash field that keeps the fence.
+        store: the :class:`~celery_lease.stores.RedisLeaseStore` that granted the lease, on
+            ``client``'s server. On a cluster ``key`` must be in the slot of the resource's
+            keys: put the store's hash tag for the resource in it,
+            ``f"app:{store.hash_tag(lease.resource)}:doc"``. A lease store elsewhere (SQL,
+            another server) cannot be read in the same script: admit through
+            ``FenceGate(store=lease_store)`` right before instead.
+        resource: the lease's resource, when ``fence`` is a number (a Lease names its own).
 
     Raises:
-        StaleFenceError: the hash carries a newer fence; nothing was written.
+        StaleFenceError: the hash carries a newer fence, or the store granted a newer one;
+            nothing was written.
+        LeaseConfigError: ``mapping`` holds the fence field; ``store`` is no Redis lease store,
+            the resource is unknown or not the lease's, or (cluster) ``key`` is in another slot.
     """
     value = _fence_of(fence)
     if fence_field in mapping:
         raise LeaseConfigError(f"mapping must not contain the fence field {fence_field!r}")
+    keys = [key]
+    named = ""
+    if store is not None:
+        named = _resource_of("fenced_hset", fence, resource)
+        keys.append(_redis_fences_key(store, client, key, named))
     script = _scripts.get(client)
     if script is None:
         script = _scripts[client] = client.register_script(_SET_SCRIPT)
-    args: list[Any] = [value, fence_field]
+    args: list[Any] = [value, fence_field, named]
     for field, item in mapping.items():
         args += [field, item]
     with shielded():  # a lease interrupt waits until the reply is read
-        ok, stored = script(keys=[key], args=args)
+        ok, stored = script(keys=keys, args=args)
     if not ok:
         events.count("celery_lease_stale_fence_rejections_total")
         raise StaleFenceError.rejected(key, value, int(stored))
     return value
 
 
-def fenced_set(client: Any, key: str, value: Any, fence: int | Lease) -> int:
-    """Fenced SET: stores ``value`` in the hash ``key`` (field ``value``) with its fence."""
-    return fenced_hset(client, key, {"value": value}, fence)
+def _redis_fences_key(store: LeaseStore, client: Any, key: str, resource: str) -> str:
+    """The fences hash of ``resource``'s shard in ``store``, a Redis lease store whose slot
+    ``key`` shares when ``client`` is a cluster's."""
+    from .stores.redis import RedisLeaseStore
+
+    if not isinstance(store, RedisLeaseStore):
+        raise LeaseConfigError(
+            f"fenced_hset(store={show_value(store)}): the store's grants are read in the same "
+            "script, so store= takes the RedisLeaseStore on this client's server; for a lease "
+            "store elsewhere, admit the fence with FenceGate(store=lease_store).admit(...) "
+            "right before the write"
+        )
+    fences = store._fences_key(resource)
+    keyslot = getattr(client, "keyslot", None)  # (a cluster client's; one slot per script)
+    if keyslot is not None and keyslot(key) != keyslot(fences):
+        raise LeaseConfigError(
+            f"fenced_hset: on a Redis Cluster the key {key!r} must share the slot of the lease "
+            f"store's keys of {resource!r}: put its hash tag in the key name, e.g. "
+            f"'app:{store.hash_tag(resource)}:...' (store.hash_tag(resource))"
+        )
+    return fences
+
+
+def fenced_set(
+    client: Any,
+    key: str,
+    value: Any,
+    fence: int | Lease,
+    *,
+    store: LeaseStore | None = None,
+    resource: str | None = None,
+) -> int:
+    """Fenced SET: stores ``value`` in the hash ``key`` (field ``value``) with its fence.
+
+    ``store`` and ``resource`` as for :func:`fenced_hset`.
+    """
+    return fenced_hset(client, key, {"value": value}, fence, store=store, resource=resource)
 
 
 def fenced_get(client: Any, key: str) -> tuple[Any, int | None]:
@@ -312,9 +515,21 @@ class FenceSigner:
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
     def sign(self, resource: str, fence: int, *, expires_in: float | None = None) -> str:
-        """A token ``v1.<kid>.<resource b64>.<fence>.<expiry or 0>.<mac>``."""
+        """A token ``v1.<kid>.<resource b64>.<fence>.<expiry or 0>.<mac>``.
+
+        Args:
+            resource: the lease's resource.
+            fence: the lease's fence.
+            expires_in: seconds from now after which :meth:`verify` refuses the token. The
+                expiry is a Unix time in whole seconds (rounded down) from this machine's wall
+                clock, and the verifier compares it with its own: leave room for the clocks'
+                difference. None (0 in the token): it never expires. An expiry bounds how long a
+                copied token (a log, a proxy) can be replayed; the fence order alone already
+                refuses it once a newer owner's fence reached the gateway.
+        """
         validate_resource(resource)
-        expiry = 0 if expires_in is None else int(_clock.wall() + expires_in)
+        # (never 0, which means "no expiry": a lifetime that already ended stays ended)
+        expiry = 0 if expires_in is None else max(1, int(_clock.wall() + expires_in))
         encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")
         payload = f"v1.{self.active}.{encoded}.{int(fence)}.{expiry}"
         return f"{payload}.{self._mac(self.active, payload)}"
@@ -358,17 +573,6 @@ class FenceSigner:
         if deadline and _clock.wall() > deadline:
             raise InvalidFenceTokenError("fencing token expired")
         return resource, value
-
-
-def fencing_headers(lease: Lease, *, signer: FenceSigner | None = None) -> dict[str, str]:
-    """Headers a client sends with a fenced call: ``{"Fencing-Token": ...}``.
-
-    Unsigned: ``<resource>;<fence>``. With a signer: a signed token, so the gateway can reject a
-    caller that invents a higher fence.
-    """
-    if signer is not None:
-        return {FENCING_HEADER: signer.sign(lease.resource, lease.fence)}
-    return {FENCING_HEADER: f"{lease.resource};{lease.fence}"}
 
 
 def token_from_request(request: Any) -> str | None:

@@ -274,6 +274,162 @@ class TestSqlFencedUpdateConcurrentWriter:
         assert rows(pg_engine, table) == [(1, 0, 5), (2, 9, 9), (3, 100, 7)]
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def lease_db(request, tmp_path):
+    """A SQL lease store and an engine on its database (the side effect's tables live there)."""
+    from celery_lease.stores import store_from_url
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/app.db"
+    else:
+        url = request.getfixturevalue("postgres_server").url
+    store = store_from_url(url, table_prefix=f"{unique('cl')}_")
+    engine = sa.create_engine(url)
+    yield store, engine
+    engine.dispose()
+    store.close()
+
+
+def _old_and_newer(store, resource):
+    """An old owner's lease and the newer one granted after it (the old never released: it
+    was force-released, as an administrator evicts a frozen holder)."""
+    old = store.acquire(resource, Owner.new("old"), 30)
+    store.force_release(resource)
+    return old, store.acquire(resource, Owner.new("newer"), 30)
+
+
+class TestSqlFencedUpdateWithTheLeaseStore:
+    """``store=``: the row's own check, plus the lease store's grants in the same statement."""
+
+    def test_an_old_owner_is_refused_before_the_newer_one_writes(self, lease_db):
+        """The newer owner has not touched the row: the old owner's write is still refused,
+        naming the newer fence, and changes nothing; the newer owner's write passes."""
+        store, engine = lease_db
+        table = accounts_table(engine)
+        resource = unique("acct/")
+        where = table.c.id == 1
+        old = store.acquire(resource, Owner.new("old"), 30)
+        with engine.begin() as conn:
+            assert fenced_update(conn, table, where, {"balance": 90}, old, store=store) == 1
+        store.force_release(resource)
+        newer = store.acquire(resource, Owner.new("newer"), 30)
+        with engine.begin() as conn, pytest.raises(StaleFenceError) as caught:
+            fenced_update(conn, table, where, {"balance": 0}, old, store=store)
+        assert (caught.value.fence, caught.value.highest) == (old.fence, newer.fence)
+        assert rows(engine, table) == [(1, 90, old.fence)]
+        with engine.begin() as conn:  # (a number with resource= works the same)
+            fenced_update(conn, table, where, {"balance": 80}, newer.fence, store=store,
+                          resource=resource)  # fmt: skip
+        assert rows(engine, table) == [(1, 80, newer.fence)]
+
+    def test_negative_control_without_the_store_the_old_write_lands(self, lease_db):
+        """The same write without store=: the row knows only the old fence, so it takes it."""
+        store, engine = lease_db
+        table = accounts_table(engine)
+        old, _ = _old_and_newer(store, unique("acct/"))
+        with engine.begin() as conn:
+            assert fenced_update(conn, table, table.c.id == 1, {"balance": 0}, old) == 1
+        assert rows(engine, table) == [(1, 0, old.fence)]
+
+    def test_an_orm_session_is_checked_too(self, lease_db):
+        """On a Session the store's check holds the same way."""
+        store, engine = lease_db
+        table = accounts_table(engine)
+        old, _ = _old_and_newer(store, unique("acct/"))
+        with Session(engine) as session, pytest.raises(StaleFenceError):
+            fenced_update(session, table, table.c.id == 1, {"balance": 0}, old, store=store)
+        assert rows(engine, table) == [(1, 100, None)]
+
+    def test_what_store_and_resource_must_be(self, lease_db, tmp_path):
+        """Each misuse is a LeaseConfigError naming the fix, and writes nothing."""
+        from celery_lease.stores import store_from_url
+
+        store, engine = lease_db
+        table = accounts_table(engine)
+        lease = store.acquire(unique("acct/"), Owner.new(), 30)
+        elsewhere = store_from_url(f"sqlite:///{tmp_path}/elsewhere.db")
+        where = table.c.id == 1
+        cases = [
+            ({"store": MemoryLeaseStore()}, "FenceGate"),
+            ({"store": elsewhere}, "not in this connection's database"),
+            ({"store": store, "resource": "other/1"}, "not the lease's resource"),
+        ]
+        try:
+            with engine.begin() as conn:
+                for options, message in cases:
+                    with pytest.raises(LeaseConfigError, match=message):
+                        fenced_update(conn, table, where, {"balance": 0}, lease, **options)
+                with pytest.raises(LeaseConfigError, match="resource="):
+                    fenced_update(conn, table, where, {"balance": 0}, lease.fence, store=store)
+        finally:
+            elsewhere.close()
+        assert rows(engine, table) == [(1, 100, None)]
+
+
+@pytest.fixture(params=["redis", "redis_cluster"])
+def redis_lease_store(request, tmp_path):
+    from tests.conftest import make_store
+
+    store = make_store(request.param, request, tmp_path)
+    yield store
+    store.close()
+
+
+class TestRedisFencedWritesWithTheLeaseStore:
+    """``store=``: the hash's own check, plus the lease store's grants in the same script."""
+
+    def test_an_old_owner_is_refused_before_the_newer_one_writes(self, redis_lease_store):
+        """Also on a cluster, with the key carrying the resource's hash tag."""
+        store = redis_lease_store
+        resource = unique("doc/")
+        key = f"app:{store.hash_tag(resource)}:{unique('doc')}"
+        old = store.acquire(resource, Owner.new("old"), 30)
+        assert fenced_set(store.client, key, "v1", old, store=store) == old.fence
+        store.force_release(resource)
+        newer = store.acquire(resource, Owner.new("newer"), 30)
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_set(store.client, key, "stale", old, store=store)
+        assert (caught.value.fence, caught.value.highest) == (old.fence, newer.fence)
+        with pytest.raises(StaleFenceError):
+            fenced_hset(store.client, key, {"x": "1"}, old.fence, store=store, resource=resource)
+        assert fenced_get(store.client, key) == (b"v1", old.fence)
+        assert fenced_set(store.client, key, "v2", newer, store=store) == newer.fence
+        assert fenced_get(store.client, key) == (b"v2", newer.fence)
+
+    def test_negative_control_without_the_store_the_old_write_lands(self, redis_lease_store):
+        store = redis_lease_store
+        resource = unique("doc/")
+        key = f"app:{store.hash_tag(resource)}:{unique('doc')}"
+        old, _ = _old_and_newer(store, resource)
+        assert fenced_set(store.client, key, "stale", old) == old.fence
+        assert fenced_get(store.client, key) == (b"stale", old.fence)
+
+    def test_what_store_and_key_must_be(self, redis_lease_store, tmp_path):
+        """Another kind of store, or on a cluster a key outside the resource's slot: a
+        LeaseConfigError naming the fix, and nothing written."""
+        from celery_lease.stores import store_from_url
+
+        store = redis_lease_store
+        resource = unique("doc/")
+        lease = store.acquire(resource, Owner.new(), 30)
+        key = f"app:{store.hash_tag(resource)}:{unique('doc')}"
+        with (
+            store_from_url(f"sqlite:///{tmp_path}/x.db") as sql_store,
+            pytest.raises(LeaseConfigError, match="RedisLeaseStore"),
+        ):
+            fenced_set(store.client, key, "v", lease, store=sql_store)
+        with pytest.raises(LeaseConfigError, match="resource="):
+            fenced_set(store.client, key, "v", lease.fence, store=store)
+        if store.cluster:
+            other = next(
+                f"app:{n}" for n in range(1000)
+                if store.client.keyslot(f"app:{n}") != store.client.keyslot(key)
+            )  # fmt: skip
+            with pytest.raises(LeaseConfigError, match=r"hash_tag"):
+                fenced_set(store.client, other, "v", lease, store=store)
+        assert fenced_get(store.client, key) == (None, None)
+
+
 class TestRedisFencedWrites:
     def test_fenced_set_and_hset(self, redis_server):
         """Writes carry the fence; an older fence is refused and the value stays."""

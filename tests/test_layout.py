@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("store factory", {"stores", "stores.urls"}),
-    ("celery wiring", {"_app", "_wakes", "_workerlog", "fencing"}),
+    ("celery wiring", {"_app", "_wakes", "_workerlog", "fencing", "_fence_client"}),
     ("tasks", {"_task", "_gates", "_sweeper", "_release"}),
     (
         "entry points",

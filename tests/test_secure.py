@@ -37,10 +37,10 @@ DENIED = r"permission denied|must be owner"
 
 
 class LeakyRedisStore(RedisLeaseStore):
-    """A store with a bug: its fence gate keys land outside its key prefix."""
+    """A store with a bug: its fence gates land outside its key prefix."""
 
-    def _gate_key(self, key: str) -> str:
-        return f"elsewhere:gate:{key}"
+    def _gate_keys(self, key: str) -> list[str]:
+        return ["elsewhere:gates", *super()._gate_keys(key)[1:]]
 
 
 @pytest.mark.redis
@@ -101,8 +101,8 @@ class TestRedisOverTlsAsAclUser:
             with pytest.raises(LeaseStoreError, match=r"(?i)no permissions|noperm"):
                 held.gate_admit("k", 6)
             with redis.Redis.from_url(server.url_for(password=REDIS_ADMIN_PASSWORD)) as admin:
-                assert admin.get("elsewhere:gate:k") == b"5"
-                admin.delete("elsewhere:gate:k")
+                assert admin.hget("elsewhere:gates", "k") == b"5"
+                admin.delete("elsewhere:gates")
         finally:
             widened.close()
             held.close()

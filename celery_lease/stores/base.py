@@ -453,8 +453,9 @@ class LeaseStore(Protocol):
     def force_release(self, resource: str, *, fence: int | None = None) -> LeaseInfo | None:
         """Administrator's eviction: drop the resource's lease whoever holds it.
 
-        Bumps the fence, so that a fenced side effect rejects every write of the evicted holder
-        once anyone claims the resource again (and a ``FenceGate`` admitting the new fence).
+        Bumps the fence, so that a ``FenceGate`` on this store (and a fenced helper given it)
+        refuses every write of the evicted holder at once, and any other fenced side effect
+        once the next holder's fence reached it.
         Returns what was evicted, or None when there was no lease. Wakes nobody: the caller
         passes the turn on (``wake_due``), as ``celery_lease.force_release`` does.
 
@@ -540,8 +541,13 @@ class FenceGateStore(Protocol):
     This is all ``FenceGate`` needs to admit, and all it checks when it is made (a store that
     is not one is refused then): ``url`` and ``gate_admit``. ``FenceGate.highest`` also needs
     :class:`ReadableFenceGateStore`; ``close`` is never called on a store passed in (only on
-    one the gate built from a URL). Every store shipped here is both (Redis: one script; SQL:
-    one statement on the ``fence_gate`` table; memory).
+    one the gate built from a URL). Every store shipped here is both (Redis: one script on the
+    gates hash of the key's shard; SQL: one statement on the ``fence_gate`` table and the
+    leases table; memory).
+
+    A store that is also a lease store knows every fence it granted: for a key that is one of
+    its resources, its gate refuses the fences older than the newest granted as well (below).
+    A gate store of its own (another service's database) knows only what it admitted.
     """
 
     #: The store's URL with any password masked; safe to log.
@@ -550,9 +556,15 @@ class FenceGateStore(Protocol):
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
         """Atomically admit ``fence`` for ``key`` if it is >= every fence admitted before.
 
+        In a store that is also a lease store, the fence must also be >= the newest fence the
+        store granted for ``key`` as a resource (claims, and force-releases, which bump it),
+        checked in the same atomic step as the admit: from the moment a newer claim returned,
+        every older fence is refused, whether or not its holder has written yet. A key that
+        names no resource of the store is checked against admitted fences only.
+
         Returns:
             ``(True, fence)`` when admitted (recorded as the highest), else ``(False, highest)``
-            with the higher fence admitted before; nothing changes then.
+            with the higher fence admitted or granted before; nothing changes then.
 
         Raises:
             LeaseConfigError: ``key`` is not a valid name.
@@ -566,7 +578,8 @@ class ReadableFenceGateStore(FenceGateStore, Protocol):
     """A fence-gate store that can also say the highest fence it admitted for a key."""
 
     def gate_highest(self, key: str) -> int | None:
-        """The highest fence admitted for ``key`` so far, or None."""
+        """The highest fence admitted for ``key`` so far, or None (granted fences not counted:
+        a lease store's :meth:`~LeaseStore.get` shows the holder's)."""
         ...
 
 

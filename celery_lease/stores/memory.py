@@ -635,10 +635,14 @@ class MemoryLeaseStore(BaseLeaseStore):
             return None if current is None else current.info(resource, now)
 
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
-        """Admit ``fence`` for ``key`` if it is >= the highest admitted (FenceGate support)."""
+        """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the newest fence
+        granted for ``key`` as a resource (FenceGate support)."""
         validate_resource(key)
         with self._lock:
-            highest = self._gates.get(key)
+            # Under the lock that claims and force-releases take: a grant is either before
+            # this decision (and counts) or after it.
+            admitted, granted = self._gates.get(key), self._fences.get(key)
+            highest = max((f for f in (admitted, granted) if f is not None), default=None)
             if highest is not None and highest > fence:
                 self._gate_decided(key, fence, False, highest)
                 return False, highest

@@ -271,10 +271,14 @@ def gate() -> FenceGate:
 
 
 def _prefix_options(url: str) -> dict[str, Any]:
+    # CL_GATE_PREFIX: a gate on the same server under a prefix of its own, so not sharing the
+    # lease store (it knows only the fences it admitted), the negative control of a gate that
+    # does share it.
     if url.startswith("redis"):
-        return {"key_prefix": env.get("CL_PREFIX", "celery_lease:")}
+        return {"key_prefix": env.get("CL_GATE_PREFIX", env.get("CL_PREFIX", "celery_lease:"))}
     if url.startswith(("postgresql", "sqlite")):
-        return {"table_prefix": env.get("CL_TABLE_PREFIX", "celery_lease_")}
+        prefix = env.get("CL_GATE_PREFIX", env.get("CL_TABLE_PREFIX", "celery_lease_"))
+        return {"table_prefix": prefix}
     return {}
 
 
@@ -490,6 +494,52 @@ def account_touch(self: Any, account: str) -> int:
     """Claims the account's resource and returns its fence: shows that nobody holds it."""
     report("touch", account=account, fence=current_lease().fence, task=self.request.id)
     return current_lease().fence
+
+
+@lease_task(app=app, resource="late-{trial}", bind=True)
+def late_writer(self: Any, trial: int, role: str) -> int:
+    """The README's pattern: admit the lease at the gate right before the side effect.
+
+    ``first``: tells the test it is about to admit and waits for "go" (the test SIGSTOPs it
+    there, past its ttl) and goes on even when it learns of the loss (a call an interrupt cannot
+    break), so that only the gate can refuse its write. ``second`` (the newer owner, which takes
+    the expired lease over): reports its claim and waits for "second-go" before its admit, as a
+    holder still in its slow model call, so that it has not written when the old one resumes.
+    A re-run of ``first`` (the retry after a refusal) writes at once.
+    """
+    lease = current_lease()
+    key = f"late-{trial}"
+    events = env["CL_EVENTS"]
+    report(
+        "start",
+        trial=trial,
+        role=role,
+        fence=lease.fence,
+        task=self.request.id,
+        previous_fence=lease.previous_fence,
+    )
+    if role == "first" and coord().set(f"{events}:paused:{trial}", 1, nx=True):
+        report("ready", trial=trial, role=role, fence=lease.fence, task=self.request.id)
+        coord().set(f"{events}:ready:{trial}", os.getpid())
+        try:
+            wait_for_key(f"{events}:go:{trial}")
+        except LOST:
+            report("ignored_loss", trial=trial, role=role, fence=lease.fence)
+            wait_for_key(f"{events}:go:{trial}")
+        # Also when the loss is found only now (the renewal thread resumed with the body): the
+        # gate's admit would raise it first, and the gate must decide.
+        forget_interrupt()
+    elif role == "second":
+        report("claimed", trial=trial, role=role, fence=lease.fence, task=self.request.id)
+        wait_for_key(f"{events}:second-go:{trial}")
+    report("admitting", trial=trial, role=role, fence=lease.fence)
+    try:
+        gate().admit(key, lease)
+    except StaleFenceError:
+        report("rejected", trial=trial, role=role, fence=lease.fence)
+        raise
+    report("write", trial=trial, role=role, fence=lease.fence)
+    return lease.fence
 
 
 @lease_task(app=app, resource="slow-{n}", bind=True)

@@ -17,6 +17,7 @@ NOT_CONTRACT = {
     "create_tables",  # SQL schema set-up, called by the constructor (or by hand)
     "grant_statements",  # SQL: the GRANTs a least-privilege role needs (init-schema --grant)
     "shard_of",  # Redis Cluster key placement
+    "hash_tag",  # Redis Cluster key placement: a user's key in a resource's slot (fenced_hset)
 }
 
 

@@ -32,7 +32,6 @@ REDIS_ACL_COMMANDS = (
     "+ping",
     "+time",
     "+get",
-    "+set",
     "+hmget",
     "+hget",
     "+hset",

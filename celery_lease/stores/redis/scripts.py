@@ -38,10 +38,19 @@ so no user input ever becomes part of a lease key name or pattern):
 <prefix>{NN}:waits_exp zset   resource -> when its last waiter's place lapses (us; never
                               earlier, it may be later: a woken head's claim leaves it as it
                               was): the sweep drops wait lists nobody touched again through it
+<prefix>{NN}:gates     hash   side-effect key -> the highest fence a FenceGate admitted for
+                              it (no TTL, never reset); the key is validated by the resource-
+                              name rule (no braces, globs or spaces) and lives in the shard of
+                              the resource of the same name, so that the gate script reads that
+                              resource's fence in the fences hash in the same slot
 ```
 
-``<prefix>gate:<key>`` strings hold a FenceGate's highest admitted fence per side-effect key;
-the key is validated by the resource-name rule (no braces, globs or spaces) before it is used.
+``<prefix>gate:<key>`` strings are the gates of the earlier layout (versions before the gates
+hash: one string per side-effect key, in a slot of its own). Nothing writes them any more; a
+gate still counts their fences, so an upgrade never admits a fence older than one admitted
+before it: on a single server the gate script reads the key's string too; on a cluster (another
+slot) the store reads it before the key's first admit into the gates hash and passes its value
+in (from then on the hash holds at least that fence).
 
 ``NN`` is the resource's shard (crc32 of the name modulo the shard count). ``{NN}`` is the hash
 tag, so a resource's keys share one Redis Cluster slot. Times are microseconds of the server's
@@ -919,16 +928,34 @@ return removed
 )
 
 GATE_ADMIT = """
--- KEYS[1] the fence gate key of one side-effect key
--- ARGV[1] the fence to admit
--- admits a fence >= the highest admitted so far and records it
--- returns {1, fence} when admitted, {0, highest} when the fence is stale
-local cur = redis.call('GET', KEYS[1])
-if cur and tonumber(cur) > tonumber(ARGV[1]) then
-  return {0, tonumber(cur)}
+-- KEYS[1] gates hash and KEYS[2] fences hash of the key's shard; on a single server also
+-- KEYS[3], the key's gate string of the earlier layout (<prefix>gate:<key>), read, never written
+-- ARGV[1] the side-effect key, ARGV[2] the fence to admit, ARGV[3] on a cluster (no KEYS[3]):
+-- the earlier layout's value as the caller read it ('-': none), or '' when not read yet
+-- admits a fence >= the highest admitted for the key (in either layout) and >= the newest
+-- fence granted for the key as a lease resource (the fences hash: claims and force-releases)
+-- returns {1, fence} when admitted, {0, highest} when the fence is stale (nothing changed), or
+-- {2} when ARGV[3] is '' on a cluster and the key has no entry in the gates hash yet: read the
+-- earlier layout's string (another slot) and call again with its value
+local best, shown = nil, nil
+local function consider(value)
+  if value then
+    local n = tonumber(value)
+    if not best or n > best then best, shown = n, value end
+  end
 end
-redis.call('SET', KEYS[1], ARGV[1])
-return {1, tonumber(ARGV[1])}
+local admitted = redis.call('HGET', KEYS[1], ARGV[1])
+consider(admitted)
+if KEYS[3] then
+  consider(redis.call('GET', KEYS[3]))
+elseif not admitted then
+  if ARGV[3] == '' then return {2} end
+  if ARGV[3] ~= '-' then consider(ARGV[3]) end
+end
+consider(redis.call('HGET', KEYS[2], ARGV[1]))
+if best and best > tonumber(ARGV[2]) then return {0, shown} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return {1, ARGV[2]}
 """
 
 EFFECT_BEGIN = (

@@ -52,7 +52,7 @@ __all__ = ["RedisLeaseStore"]
 
 _KEY_KINDS = (
     "leases", "expiry", "fences", "ids", "ids_exp", "ckpt", "ledger", "ledger_exp", "waits", "wpay",
-    "waits_exp",
+    "waits_exp", "gates",
 )  # fmt: skip
 
 
@@ -195,6 +195,20 @@ class RedisLeaseStore(BaseLeaseStore):
     def _keys(self, shard: int, *names: str) -> list[str]:
         kinds = self._key_names[shard]
         return [kinds[name] for name in names]
+
+    def hash_tag(self, resource: str) -> str:
+        """The Redis Cluster hash tag of ``resource``'s keys, e.g. ``{0a}``.
+
+        A key of your own whose name contains it is in the same slot as the resource's lease
+        keys, so a script may touch both: :func:`~celery_lease.fencing.fenced_hset` with
+        ``store=`` needs that on a cluster (``f"app:{store.hash_tag(resource)}:doc"``). The tag
+        is built by the store from the resource's shard, never from the name itself.
+        """
+        return f"{{{self.shard_of(validate_resource(resource)):02x}}}"
+
+    def _fences_key(self, resource: str) -> str:
+        """The fences hash of ``resource``'s shard (field ``resource``: its newest fence)."""
+        return self._keys(self.shard_of(validate_resource(resource)), "fences")[0]
 
     # -- plumbing --------------------------------------------------------------------------
     def _run(self, what: str, subject: object = None) -> Translate:
@@ -680,19 +694,39 @@ class RedisLeaseStore(BaseLeaseStore):
 
     # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
     def _gate_key(self, key: str) -> str:
-        return f"{self.key_prefix}gate:{validate_resource(key)}"
+        """The key's gate string of the earlier layout (read only: see scripts.py)."""
+        return f"{self.key_prefix}gate:{key}"
+
+    def _gate_keys(self, key: str) -> builtins.list[str]:
+        """The gate script's KEYS for a validated ``key``: the gates and fences hashes of its
+        shard (the resource of the same name's), and on a single server its earlier string."""
+        keys = self._keys(self.shard_of(key), "gates", "fences")
+        if not self.cluster:  # (on a cluster the string is in another slot: read apart)
+            keys.append(self._gate_key(key))
+        return keys
 
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
-        """Admit ``fence`` for ``key`` if it is >= the highest admitted; one round trip."""
+        """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the newest fence
+        granted for ``key`` as a resource; one round trip (on a cluster two, the first time a
+        key is admitted: the earlier layout's string is read from its own slot)."""
+        key = validate_resource(key)
+        keys = self._gate_keys(key)
+        args: list[Any] = [key, int(fence), ""]
         with self._run("fence gate admit of %r", key):
-            ok, value = self._gate_admit(keys=[self._gate_key(key)], args=[int(fence)])
-        return bool(ok), int(value)
+            reply = self._gate_admit(keys=keys, args=args)
+            if int(reply[0]) == 2:
+                earlier = self.client.get(self._gate_key(key))
+                args[2] = "-" if earlier is None else int(earlier)
+                reply = self._gate_admit(keys=keys, args=args)
+        return bool(int(reply[0])), int(reply[1])
 
     def gate_highest(self, key: str) -> int | None:
-        """The highest fence admitted for ``key``, or None."""
+        """The highest fence admitted for ``key`` (in either layout), or None."""
+        key = validate_resource(key)
+        gates = self._keys(self.shard_of(key), "gates")[0]
         with self._run("fence gate read of %r", key):
-            value = self.client.get(self._gate_key(key))
-        return None if value is None else int(value)
+            found = [self.client.hget(gates, key), self.client.get(self._gate_key(key))]
+        return max((int(value) for value in found if value is not None), default=None)
 
     def check_health(self) -> builtins.list[str]:
         warnings: builtins.list[str] = []

@@ -231,20 +231,33 @@ class Statements:
                     prev_fence = CASE WHEN owner_token IS NULL THEN NULL ELSE fence END
                 WHERE resource = {p("r")}"""
 
+        # The fence gate: a key's highest admitted fence in the gate table, and for a key that
+        # is a lease resource also the fence of its row here (the newest the store granted,
+        # force-release bumps included). Both are read by the one statement that admits, so a
+        # grant committed before it began refuses every older fence, whether or not the new
+        # holder has written yet (a grant committing while it runs is ordered after it).
         g = gate_table
+        k, f = p("k"), p("f")
         gate_upsert = f"""
-            INSERT INTO {g} AS t (key, fence) VALUES ({p("k")}, {p("f")})
+            INSERT INTO {g} AS t (key, fence)
+            SELECT CAST({k} AS VARCHAR(200)), CAST({f} AS BIGINT)
+            WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE resource = {k} AND fence > {f})
             ON CONFLICT (key) DO UPDATE SET fence = excluded.fence
             WHERE t.fence <= excluded.fence
             RETURNING fence"""
-        self.gate_read = f"SELECT fence FROM {g} WHERE key = {p('k')}"
+        #: The fence that refused an admit: the higher of the admitted and the granted one.
+        self.gate_refused = f"""
+            SELECT max(fence) FROM (
+                SELECT fence FROM {g} WHERE key = {k}
+                UNION ALL
+                SELECT fence FROM {t} WHERE resource = {k}) AS known"""
+        self.gate_read = f"SELECT fence FROM {g} WHERE key = {k}"
         if dialect == "postgresql":
             self.gate_admit = f"""
                 WITH up AS ({gate_upsert})
                 SELECT 1, fence FROM up
                 UNION ALL
-                SELECT 0, fence FROM {g}
-                WHERE key = {p("k")} AND NOT EXISTS (SELECT 1 FROM up)"""
+                SELECT 0, ({self.gate_refused}) WHERE NOT EXISTS (SELECT 1 FROM up)"""
         else:
             self.gate_admit = gate_upsert
 

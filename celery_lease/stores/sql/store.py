@@ -722,24 +722,25 @@ class SQLLeaseStore(BaseLeaseStore):
 
     # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
-        """Admit ``fence`` for ``key`` if it is >= the highest admitted; one statement."""
+        """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the fence this
+        store granted ``key`` as a resource (its lease row's); one statement."""
         params = {"k": validate_resource(key), "f": int(fence)}
 
         def work(cursor: Any) -> tuple[Any, ...] | None:
             if self.dialect == "postgresql":
                 return fetch(cursor, self.sql.gate_admit, params)
-            with self._connections.immediate(cursor):
+            with self._connections.immediate(cursor):  # (one writer: nothing runs in between)
                 row = fetch(cursor, self.sql.gate_admit, params)
                 if row is not None:
                     return (1, row[0])
-                highest = fetch(cursor, self.sql.gate_read, params)
-                return None if highest is None else (0, highest[0])
+                highest = fetch(cursor, self.sql.gate_refused, params)
+                return None if highest is None or highest[0] is None else (0, highest[0])
 
         for _ in range(3):
             row = self._connections.run(f"fence gate admit of {key!r}", work)
-            # None, or a refusal citing a fence our snapshot saw as lower than ours: a racing
-            # admit committed a higher fence after our snapshot; ask again to report it.
-            if row is not None and (row[0] or int(row[1]) > int(fence)):
+            # None, or a refusal citing no fence or one our snapshot saw as lower than ours: a
+            # racing admit committed a higher fence after our snapshot; ask again to report it.
+            if row is not None and (row[0] or (row[1] is not None and int(row[1]) > int(fence))):
                 return bool(row[0]), int(row[1])
         raise LeaseStoreError(f"fence gate admit of {key!r} kept racing a concurrent insert")
 
