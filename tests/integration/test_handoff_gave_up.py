@@ -199,6 +199,9 @@ def test_a_place_re_armed_by_a_late_woken_copy_keeps_its_first_listing(
         "CL_BACKOFF_BASE": "20",
         "CL_BACKOFF_CAP": "20",
         "CL_STORE_DOWN_MAX_WAIT": "4",
+        # (no turn checks: one sends K's missed wake once more, a copy that carries the first
+        # listing and ends unrun in the negative control too, hiding what it shows)
+        "CL_PASS_THE_TURN": "0",
     }
     if listed == "now":
         env["CL_LISTED_AT"] = "now"

@@ -113,12 +113,13 @@ CAP = 2
 OVER = 3
 
 
-def test_a_full_wait_list_leaves_the_claims_beyond_it_to_the_back_off_and_loses_none(
+def test_a_full_wait_list_gives_the_claims_beyond_it_polling_places_and_loses_none(
     it_app, start_worker, events, queue, private_redis
 ):
-    """Wait list cap 2, five waiters: the first two are listed, the other three are refused
-    unlisted (position None), told the list is full, and run from the back-off; every body
-    runs exactly once."""
+    """Wait list cap 2, five waiters: the first two are listed with their messages, the other
+    three get polling places (invariant 12), are told the list had no room for their message,
+    and run from their places in arrival order; every body runs exactly once. Before (issue
+    32, item 2): those three were refused unlisted and listed later arrivals overtook them."""
     env = {
         "CL_STORE": private_redis.url,
         "CL_PREFIX": f"{unique('cap')}:",
@@ -137,10 +138,10 @@ def test_a_full_wait_list_leaves_the_claims_beyond_it_to_the_back_off_and_loses_
         refusals.append(events.wait(ev="retry", task=sent[-1].id))
     ids = [r.id for r in sent]
     del sent
-    assert [r["position"] for r in refusals] == [1, 2] + [None] * OVER, refusals
-    # The refusals beyond the cap say so (before: the same words as a claim that never asked
-    # to wait, and no log line or metric told a full list from no list).
-    full = f"its wait list is full (wait_cap {CAP} waiters or wait_bytes_cap "
+    assert [r["position"] for r in refusals] == list(range(1, CAP + OVER + 1)), refusals
+    # The refusals beyond the cap say why they poll (no log line or metric told a full list
+    # from no list before).
+    full = "its wait list had no room for its message (wait_cap "
     assert [full in r["message"] for r in refusals] == [False] * CAP + [True] * OVER, [
         r["message"] for r in refusals
     ]
@@ -148,6 +149,8 @@ def test_a_full_wait_list_leaves_the_claims_beyond_it_to_the_back_off_and_loses_
     metas = wait_success(it_app.app, ids, deadline)
     assert [metas[i]["result"] for i in ids] == list(range(CAP + OVER + 1))
     assert _completed(events, n) == Counter(range(CAP + OVER + 1)), _completed(events, n)
+    entered = [e["k"] for e in events.all() if e.get("res") == n and e["ev"] == "enter"]
+    assert entered == list(range(CAP + OVER + 1)), f"bodies ran {entered}"
 
 
 def test_a_back_stop_copy_of_a_retried_attempt_does_not_run_it_again(

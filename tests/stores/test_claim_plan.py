@@ -57,6 +57,8 @@ PARAMS = {
     "o": "done",
     "res": None,
     "a": 0,
+    "pn": "job",
+    "since": None,
 }
 
 
