@@ -431,7 +431,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         owner = Owner.fresh(_owner_label(request, self.name))
         renewer = get_renewer()
         renewer.prepare(store)  # the renewal connection opens while the claim runs
-        wait, too_large, poll, waiter = None, 0, None, None
+        wait, too_large, poll, waiter, plain_first = None, 0, None, None, False
         can_wait = settings.handoff and settings.on_busy == "retry" and not direct
         waiting = can_wait and identity is not None
         # Sent before the release that wakes it (see _release): its claim must not re-arm the
@@ -465,6 +465,9 @@ class LeaseTask(Task):  # type: ignore[misc]
             # No identity to tell two copies apart: no message to wake, one copy at a time
             # that polls in a place named by its task id (invariant 12).
             wait, waiter = (POLL, self._wait_ttl(0, settings)), _waiter_name(request.id)
+            # (a first arrival claims plainly and takes a place only when refused: one round
+            # trip less when the resource is free; a copy back from polling names its place)
+            plain_first = _header(request, POLLS_HEADER) is None
         if wait is not None and wait[0] == POLL:
             # (comes back by itself: once a grace, so it is there when its turn comes)
             poll = float(getattr(store, "handoff_grace", 2.0))
@@ -476,7 +479,14 @@ class LeaseTask(Task):  # type: ignore[misc]
             self._drop_if_finished(request, resource)
         claim_started = _clock.monotonic()
         try:
-            if wait is not None:
+            lease = (
+                self._plain_claim(store, resource, owner, settings.ttl, extra)
+                if plain_first
+                else None
+            )
+            if lease is not None:
+                pass  # (claimed without a place)
+            elif wait is not None:
                 if waiter is not None or settings.order == "publish":
                     extra = {**extra, **_place_options(request, waiter, settings)}
                 lease = store.acquire(
@@ -1235,6 +1245,18 @@ class LeaseTask(Task):  # type: ignore[misc]
             )
             keep = cache[waits] = longest + settings.ttl + 10.0
         return keep
+
+    def _plain_claim(
+        self, store: LeaseStore, resource: str, owner: Owner, ttl: float, extra: dict[str, Any]
+    ) -> Lease | None:
+        """A claim without a place: the lease, or None when refused (a head waiter nobody
+        woke is woken, as any refused claim does)."""
+        try:
+            return store.acquire(resource, owner, ttl, **extra)
+        except LeaseBusyError as busy:
+            if busy.wake is not None:
+                self._wake(busy.wake, resource, "claim", busy.fence, store=store)
+            return None
 
     def _wake(
         self,
