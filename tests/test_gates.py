@@ -32,7 +32,7 @@ from celery_lease import (
     metrics,
 )
 from celery_lease import _outage as outage
-from celery_lease._task import LOST_HEADER, STORE_DOWN_HEADER, STORE_WAITS_HEADER
+from celery_lease._message import LOST_HEADER, STORE_DOWN_HEADER, STORE_WAITS_HEADER
 from celery_lease.stores import store_from_url
 from tests.conftest import unique
 from tests.tooling.servers import RedisServer, free_port, wait_for
