@@ -47,6 +47,7 @@ from ._fence_client import (
 from ._interrupt import raise_if_interrupted, shielded
 from ._lease import Lease
 from ._names import (
+    MAX_FENCE,
     RESOURCE_PATTERN,
     RESOURCE_RULE,
     mask_url,
@@ -73,8 +74,9 @@ __all__ = [
 ]
 
 _KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
-#: Fences are 64-bit on every store (SQL BIGINT); a larger one is no fence we issued.
-_MAX_FENCE = 2**63 - 1
+#: No store takes a larger fence (Redis compares fences as doubles; see _names.MAX_FENCE): a
+#: token carrying one is refused as invalid, the same bound as FenceGate.admit's.
+_MAX_FENCE = MAX_FENCE
 # Every part of a token is checked against an ASCII-only pattern before it is converted or
 # compared: int() accepts '²'-like digits and raises past 4300 digits, hmac.compare_digest
 # raises TypeError on non-ASCII text, b64decode and .decode() raise on junk. A gateway must
@@ -528,6 +530,7 @@ class FenceSigner:
                 refuses it once a newer owner's fence reached the gateway.
         """
         validate_resource(resource)
+        fence = validate_fence(fence)  # (verify() refuses a larger one)
         # (never 0, which means "no expiry": a lifetime that already ended stays ended)
         expiry = 0 if expires_in is None else max(1, int(_clock.wall() + expires_in))
         encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")

@@ -532,6 +532,7 @@ class TestTokenParsingNeverCrashes:
     @example("acct-1;\u0663")  # ARABIC-INDIC DIGIT THREE: isdigit() and int() accept it
     @example("acct-1;" + "9" * 5000)  # past int()'s digit limit
     @example("acct-1;" + "9" * 30)  # past any store's 64-bit fence
+    @example(f"acct-1;{2**53}")  # past the fences Redis compares exactly
     @example(";5")  # no resource
     @example("acct 1;5")  # not a resource name
     @example("acct-1;-5")
@@ -541,7 +542,7 @@ class TestTokenParsingNeverCrashes:
         outcome = self._outcome({FENCING_HEADER: token})
         if outcome != "refused":
             raw = token.rpartition(";")[2]
-            assert raw.isascii() and raw.isdigit() and outcome == int(raw) < 2**63
+            assert raw.isascii() and raw.isdigit() and outcome == int(raw) < 2**53
 
     @settings(max_examples=300, deadline=None, database=None)
     @given(part=st.integers(0, 5), text=st.text())
@@ -576,8 +577,8 @@ class TestTokenParsingNeverCrashes:
     def test_a_token_for_a_well_formed_resource_still_passes(self):
         """The stricter parser keeps admitting what fencing_headers and sign() produce."""
         assert self._outcome({FENCING_HEADER: "browser/acct-42:x_y.z;12"}) == 12
-        token = self.SIGNER.sign("browser/acct-42", 2**63 - 1, expires_in=60)
-        assert self._outcome(token, signer=self.SIGNER) == 2**63 - 1
+        token = self.SIGNER.sign("browser/acct-42", 2**53 - 1, expires_in=60)
+        assert self._outcome(token, signer=self.SIGNER) == 2**53 - 1
 
 
 class _no_error:
@@ -638,3 +639,83 @@ def test_a_wsgi_tool_gateway_rejects_a_stale_owner_over_http():
     finally:
         server.shutdown()
         server.server_close()
+
+
+_BOUND = 2**53 - 1  # the largest fence every store compares exactly
+
+
+@pytest.fixture(params=["memory", "redis", "sqlite", "postgres"])
+def any_store(request, tmp_path):
+    from tests.conftest import make_store
+
+    store = make_store(request.param, request, tmp_path)
+    yield store
+    store.close()
+
+
+class TestFenceBound:
+    """Fences above 2**53 - 1 are refused alike by every store and helper: Redis compares them
+    as Lua doubles, where an older fence can compare equal to a newer one."""
+
+    def test_negative_control_lua_cannot_tell_two_fences_apart_above_2_53(self, redis_server):
+        """What the bound guards against: Redis's Lua sees 2**60 + 100 > 2**60 + 1 as false."""
+        client = redis.Redis.from_url(redis_server.url)
+        compare = "return tonumber(ARGV[1]) > tonumber(ARGV[2]) and 1 or 0"
+        assert client.eval(compare, 0, 2**60 + 100, 2**60 + 1) == 0
+        assert client.eval(compare, 0, _BOUND, _BOUND - 1) == 1  # exact up to the bound
+
+    def test_every_gate_refuses_a_fence_past_the_bound(self, any_store):
+        """FenceGate.admit and the store's own gate_admit name the fence and the bound; at the
+        bound an older fence is still refused, as below it."""
+        gate = FenceGate(store=any_store)
+        key = unique("k-")
+        for big in (_BOUND + 1, 2**60 + 100, 2**63 - 1):
+            with pytest.raises(LeaseConfigError, match=rf"fence {big} is above {_BOUND}"):
+                gate.admit(key, big)
+            with pytest.raises(LeaseConfigError, match=str(big)):
+                any_store.gate_admit(key, big)
+        assert gate.highest(key) is None  # nothing was admitted
+        assert gate.admit(key, _BOUND) == _BOUND
+        with pytest.raises(StaleFenceError) as caught:
+            gate.admit(key, _BOUND - 1)
+        assert caught.value.highest == _BOUND
+        assert gate.highest(key) == _BOUND
+
+    def test_force_release_refuses_a_fence_past_the_bound(self, any_store):
+        resource = unique("r/")
+        any_store.acquire(resource, Owner.new(), 30)
+        with pytest.raises(LeaseConfigError, match=str(_BOUND)):
+            any_store.force_release(resource, fence=_BOUND + 1)
+        assert any_store.get(resource) is not None
+
+    def test_fenced_set_refuses_a_fence_past_the_bound(self, redis_server):
+        """The reviewer's sequence (2**60 + 100, then 2**60 + 1) writes nothing at all."""
+        client = redis.Redis.from_url(redis_server.url)
+        key = unique("doc:")
+        for big in (2**60 + 100, 2**60 + 1):
+            with pytest.raises(LeaseConfigError, match=rf"fence {big} is above"):
+                fenced_set(client, key, "v", big)
+        assert fenced_get(client, key) == (None, None)
+        assert fenced_set(client, key, "v", _BOUND) == _BOUND
+        with pytest.raises(StaleFenceError):
+            fenced_set(client, key, "older", _BOUND - 1)
+        assert fenced_get(client, key) == (b"v", _BOUND)
+
+    def test_check_fencing_token_has_the_same_bound(self, any_store):
+        """A token past the bound is an invalid token (403), signed or not; one at it passes."""
+        gate = FenceGate(store=any_store)
+        signer = FenceSigner({"k1": SECRET}, active="k1")
+        key = unique("k-")
+        with pytest.raises(InvalidFenceTokenError, match=str(_BOUND)):
+            check_fencing_token(f"{key};{_BOUND + 1}", gate)
+        with pytest.raises(LeaseConfigError, match=str(_BOUND)):
+            signer.sign(key, _BOUND + 1)
+        assert check_fencing_token(f"{key};{_BOUND}", gate) == _BOUND
+        with pytest.raises(StaleFenceError):
+            check_fencing_token(signer.sign(key, _BOUND - 1), gate, signer=signer)
+
+    def test_granted_fences_stay_far_below_the_bound(self, any_store):
+        """A Redis fence is about the server clock in microseconds (2**53 us is the year 2255);
+        SQL and memory count from 1."""
+        lease = any_store.acquire(unique("r/"), Owner.new(), 30)
+        assert 0 < lease.fence < _BOUND // 4

@@ -112,7 +112,7 @@ from .. import _clock
 from .._codec import from_micros
 from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
-from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
+from .._names import IDENTITY_RULE, MAX_FENCE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
 from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
 
@@ -808,10 +808,10 @@ class BaseLeaseStore:
     def _fence_arg(fence: int | None) -> int | None:
         if fence is None:
             return None
-        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 0:
+        if isinstance(fence, bool) or not isinstance(fence, int) or not 0 <= fence <= MAX_FENCE:
             raise LeaseConfigError(
-                "fence must be a non-negative int (the fence shown for the lease), got "
-                f"{show_value(fence)}"
+                f"fence must be an int from 0 to {MAX_FENCE} (the fence shown for the lease), "
+                f"got {show_value(fence)}"
             )
         return fence
 

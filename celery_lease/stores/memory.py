@@ -19,7 +19,7 @@ from .. import _clock
 from .._codec import decode, from_micros
 from .._errors import IdentityDoneError, LeaseBusyError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
-from .._names import validate_resource
+from .._names import validate_fence, validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -638,6 +638,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the newest fence
         granted for ``key`` as a resource (FenceGate support)."""
         validate_resource(key)
+        fence = validate_fence(fence)
         with self._lock:
             # Under the lock that claims and force-releases take: a grant is either before
             # this decision (and counts) or after it.

@@ -24,7 +24,7 @@ from ..._errors import (
     LeaseStoreError,
 )
 from ..._lease import Lease, LeaseInfo, Owner
-from ..._names import mask_url, show_value, validate_resource
+from ..._names import mask_url, show_value, validate_fence, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -710,8 +710,9 @@ class RedisLeaseStore(BaseLeaseStore):
         granted for ``key`` as a resource; one round trip (on a cluster two, the first time a
         key is admitted: the earlier layout's string is read from its own slot)."""
         key = validate_resource(key)
+        fence = validate_fence(fence)  # (Lua compares doubles: exact up to 2**53 only)
         keys = self._gate_keys(key)
-        args: list[Any] = [key, int(fence), ""]
+        args: list[Any] = [key, fence, ""]
         with self._run("fence gate admit of %r", key):
             reply = self._gate_admit(keys=keys, args=args)
             if int(reply[0]) == 2:

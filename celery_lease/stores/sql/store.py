@@ -32,7 +32,7 @@ from ..._errors import (
     LeaseStoreError,
 )
 from ..._lease import Lease, LeaseInfo, Owner
-from ..._names import mask_url, validate_identifier, validate_resource
+from ..._names import mask_url, validate_fence, validate_identifier, validate_resource
 from .._connections import Once
 from ..base import (
     DEFAULT_MAX_TTL,
@@ -724,7 +724,7 @@ class SQLLeaseStore(BaseLeaseStore):
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
         """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the fence this
         store granted ``key`` as a resource (its lease row's); one statement."""
-        params = {"k": validate_resource(key), "f": int(fence)}
+        params = {"k": validate_resource(key), "f": validate_fence(fence)}
 
         def work(cursor: Any) -> tuple[Any, ...] | None:
             if self.dialect == "postgresql":
