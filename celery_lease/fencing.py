@@ -409,7 +409,8 @@ def fenced_hset(
         fence: the writer's fence, or its :class:`Lease`.
         fence_field: the hash field that keeps the fence.
         store: the :class:`~celery_lease.stores.RedisLeaseStore` that granted the lease, on
-            ``client``'s server. On a cluster ``key`` must be in the slot of the resource's
+            ``client``'s server and database (a client elsewhere is refused: the script would
+            find no grants there). On a cluster ``key`` must be in the slot of the resource's
             keys: put the store's hash tag for the resource in it,
             ``f"app:{store.hash_tag(lease.resource)}:doc"``. A lease store elsewhere (SQL,
             another server) cannot be read in the same script: admit through
@@ -419,8 +420,9 @@ def fenced_hset(
     Raises:
         StaleFenceError: the hash carries a newer fence, or the store granted a newer one;
             nothing was written.
-        LeaseConfigError: ``mapping`` holds the fence field; ``store`` is no Redis lease store,
-            the resource is unknown or not the lease's, or (cluster) ``key`` is in another slot.
+        LeaseConfigError: ``mapping`` holds the fence field; ``store`` is no Redis lease store
+            or is on another server, database or cluster than ``client``, the resource is
+            unknown or not the lease's, or (cluster) ``key`` is in another slot.
     """
     value = _fence_of(fence)
     if fence_field in mapping:
@@ -456,6 +458,7 @@ def _redis_fences_key(store: LeaseStore, client: Any, key: str, resource: str) -
             "store elsewhere, admit the fence with FenceGate(store=lease_store).admit(...) "
             "right before the write"
         )
+    _check_same_redis(store, client)
     fences = store._fences_key(resource)
     keyslot = getattr(client, "keyslot", None)  # (a cluster client's; one slot per script)
     if keyslot is not None and keyslot(key) != keyslot(fences):
@@ -465,6 +468,62 @@ def _redis_fences_key(store: LeaseStore, client: Any, key: str, resource: str) -
             f"'app:{store.hash_tag(resource)}:...' (store.hash_tag(resource))"
         )
     return fences
+
+
+#: run_id of the server each client talks to (asked only when two clients name their server
+#: differently: one server may have many names).
+_run_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _redis_where(client: Any) -> tuple[str, tuple[Any, ...] | None, int | None]:
+    """How a message names ``client``'s server, its address (None when the client names none:
+    a Sentinel pool) and its database (None on a cluster)."""
+    nodes = getattr(client, "get_nodes", None)
+    if nodes is not None:  # a cluster: its nodes, no database
+        found = tuple(sorted((str(n.host), int(n.port)) for n in nodes()))
+        return "Redis Cluster " + ",".join(f"{h}:{p}" for h, p in found), found, None
+    options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    db = int(options.get("db") or 0)
+    if options.get("path"):
+        return f"unix://{options['path']} db {db}", ("unix", options["path"]), db
+    if options.get("host") is not None:
+        host, port = str(options["host"]), int(options.get("port") or 6379)
+        return f"{host}:{port} db {db}", (host, port), db
+    return f"{type(client).__name__} db {db}", None, db
+
+
+def _run_id(client: Any) -> str:
+    found = _run_ids.get(client)
+    if found is None:
+        with shielded():
+            found = _run_ids[client] = str(client.info("server").get("run_id", ""))
+    return found
+
+
+def _check_same_redis(store: Any, client: Any) -> None:
+    """Refuse a data client on another server, cluster or database than the lease store's:
+    the script would read a fences hash that is not there and skip the grant check."""
+    if client is store.client:
+        return
+    mine, mine_at, mine_db = _redis_where(client)
+    theirs, theirs_at, theirs_db = _redis_where(store.client)
+    if store.cluster != hasattr(client, "get_nodes"):
+        same = False
+    elif store.cluster:  # one cluster: a node in common
+        same = bool(set(mine_at or ()) & set(theirs_at or ()))
+    else:
+        same = mine_db == theirs_db and (
+            (mine_at is not None and mine_at == theirs_at)
+            or _run_id(client) == _run_id(store.client)
+        )
+    if not same:
+        raise LeaseConfigError(
+            f"fenced_hset(store=...): the data client is on {mine}, the lease store {store.url} "
+            f"on {theirs}; the script reads the store's grants next to the data, so it would "
+            "find none there and let a stale fence through. Pass a client on the lease store's "
+            "server and database (e.g. the store's own, store.client), or admit the fence with "
+            "FenceGate(store=lease_store).admit(...) right before the write"
+        )
 
 
 def fenced_set(

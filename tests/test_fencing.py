@@ -38,7 +38,7 @@ from celery_lease.fencing import (
     fencing_headers,
     token_from_request,
 )
-from celery_lease.stores import MemoryLeaseStore
+from celery_lease.stores import MemoryLeaseStore, store_from_url
 from tests.conftest import unique
 
 
@@ -428,6 +428,91 @@ class TestRedisFencedWritesWithTheLeaseStore:
             with pytest.raises(LeaseConfigError, match=r"hash_tag"):
                 fenced_set(store.client, other, "v", lease, store=store)
         assert fenced_get(store.client, key) == (None, None)
+
+
+class TestRedisFencedWritesOnAnotherDatabase:
+    """``store=`` with a data client elsewhere than the lease store: refused, since the script
+    would read a fences hash that is not there and let the stale write through."""
+
+    @staticmethod
+    def _client(store, db=None, host=None):
+        options = store.client.connection_pool.connection_kwargs
+        return redis.Redis(
+            host=host or options["host"],
+            port=options["port"],
+            db=options["db"] if db is None else db,
+        )
+
+    def test_a_client_on_another_database_is_refused(self, redis_server):
+        """The reviewer's case: leases in db 0, the data in db 1; nothing is written."""
+        store = store_from_url(
+            redis_server.url.rsplit("/", 1)[0] + "/0", key_prefix=unique("cl") + ":"
+        )
+        try:
+            resource = unique("acct/")
+            old, newer = _old_and_newer(store, resource)
+            data = self._client(store, db=1)
+            key = unique("dash:")
+            with pytest.raises(LeaseConfigError) as caught:
+                fenced_set(data, key, "stale", old, store=store)
+            message = str(caught.value)
+            assert "db 1" in message and "db 0" in message and "store.client" in message
+            assert data.exists(key) == 0
+            with pytest.raises(LeaseConfigError, match="db 1"):
+                fenced_hset(data, key, {"x": "1"}, newer, store=store)
+        finally:
+            store.close()
+
+    def test_control_a_client_on_the_same_database_is_checked(self, redis_server):
+        """Another client on the store's server and database (also named "localhost" where
+        the store says 127.0.0.1): the stale write is refused by the grant check, the newer
+        owner's lands."""
+        store = store_from_url(redis_server.url, key_prefix=unique("cl") + ":")
+        try:
+            resource = unique("acct/")
+            old, newer = _old_and_newer(store, resource)
+            for client in (self._client(store), self._client(store, host="localhost")):
+                key = unique("dash:")
+                with pytest.raises(StaleFenceError) as caught:
+                    fenced_set(client, key, "stale", old, store=store)
+                assert caught.value.highest == newer.fence
+                assert fenced_set(client, key, "v", newer, store=store) == newer.fence
+        finally:
+            store.close()
+
+    def test_negative_control_without_the_check_the_stale_write_lands(self, redis_server):
+        """What the refusal prevents: the script on db 1 finds no fences hash, so it takes the
+        old owner's write (the same script, called without the location check)."""
+        from celery_lease import fencing
+
+        store = store_from_url(redis_server.url, key_prefix=unique("cl") + ":")
+        try:
+            old, _ = _old_and_newer(store, unique("acct/"))
+            data = self._client(store, db=1)
+            key = unique("dash:")
+            script = data.register_script(fencing._SET_SCRIPT)
+            fences = store._fences_key(old.resource)
+            assert (
+                script(keys=[key, fences], args=[old.fence, "fence", old.resource, "value", "x"])[0]
+                == 1
+            )
+            assert fenced_get(data, key) == (b"x", old.fence)
+        finally:
+            store.close()
+
+    def test_a_single_server_client_with_a_cluster_store_is_refused(self, request, tmp_path):
+        """A client of one server given a Redis Cluster's store: refused, naming the cluster."""
+        from tests.conftest import make_store
+
+        store = make_store("redis_cluster", request, tmp_path)
+        try:
+            resource = unique("doc/")
+            lease = store.acquire(resource, Owner.new(), 30)
+            single = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+            with pytest.raises(LeaseConfigError, match="Redis Cluster"):
+                fenced_set(single, f"app:{store.hash_tag(resource)}:x", "v", lease, store=store)
+        finally:
+            store.close()
 
 
 class TestRedisFencedWrites:
