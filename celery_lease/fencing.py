@@ -39,6 +39,7 @@ from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
 from ._fence_client import (
     FENCING_HEADER,
+    _lifetime,
     fenced_request,
     fenced_request_async,
     fencing_headers,
@@ -590,8 +591,9 @@ class FenceSigner:
         """
         validate_resource(resource)
         fence = validate_fence(fence)  # (verify() refuses a larger one)
+        lifetime = _lifetime(expires_in, ended_ok=True)
         # (never 0, which means "no expiry": a lifetime that already ended stays ended)
-        expiry = 0 if expires_in is None else max(1, int(_clock.wall() + expires_in))
+        expiry = 0 if lifetime is None else max(1, int(_clock.wall() + lifetime))
         encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")
         payload = f"v1.{self.active}.{encoded}.{int(fence)}.{expiry}"
         return f"{payload}.{self._mac(self.active, payload)}"

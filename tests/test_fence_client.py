@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -263,8 +264,9 @@ class TestTokenExpiry:
         """A token whose lifetime ended (here: before it was sent) is refused by the gateway
         and raises InvalidFenceTokenError; the gateway did not act."""
         lease = get_store(app).acquire("doc/4", Owner.new(), 30)
+        expired = {FENCING_HEADER: SIGNER.sign(lease.resource, lease.fence, expires_in=-5)}
         with pytest.raises(InvalidFenceTokenError, match="expired"):
-            fenced_request(client, "GET", gateway.url, lease=lease, signer=SIGNER, expires_in=-5)
+            raise_for_fence(client.request("GET", gateway.url, headers=expired), lease)
         assert gateway.actions == []
         token = gateway.tokens[-1]
         with pytest.raises(InvalidFenceTokenError, match="expired"):
@@ -282,6 +284,43 @@ class TestTokenExpiry:
         with pytest.raises(LeaseConfigError, match="expires_in"):
             fenced_request(client, "GET", gateway.url, lease=lease, signer=SIGNER, expires_in="60")
         assert gateway.tokens == []
+
+    @pytest.mark.parametrize(
+        ("value", "shown"),
+        [
+            (float("inf"), "inf"),
+            (float("nan"), "nan"),
+            (1e20, "1e+20"),
+            (-5, "-5"),
+            (0, "0:"),
+            (-0.5, "-0.5"),
+        ],
+    )
+    def test_a_lifetime_no_token_can_carry_is_refused_naming_it(
+        self, app, client, gateway, value, shown
+    ):
+        """inf and nan (before: a bare OverflowError / ValueError), one past what a token's
+        expiry holds, and one that ended before the token is sent (before: sent anyway, and
+        refused by every gateway): a LeaseConfigError naming the value, and nothing sent."""
+        lease = get_store(app).acquire(unique("doc/"), Owner.new(), 30)
+        for call in (
+            lambda: fenced_request(
+                client, "GET", gateway.url, lease=lease, signer=SIGNER, expires_in=value
+            ),
+            lambda: fencing_headers(lease, signer=SIGNER, expires_in=value),
+            lambda: fencing_headers(lease, expires_in=value),
+        ):
+            with pytest.raises(LeaseConfigError, match=re.escape(f"expires_in={shown}")):
+                call()
+        assert gateway.tokens == []
+
+    def test_a_signer_refuses_a_lifetime_that_is_not_finite(self):
+        """FenceSigner.sign may be asked for an expired token (tests do), never a non-finite
+        or out-of-range one."""
+        for value in (float("inf"), float("nan"), 1e20):
+            with pytest.raises(LeaseConfigError, match="expires_in="):
+                SIGNER.sign("doc/9", 1, expires_in=value)
+        assert SIGNER.sign("doc/9", 1, expires_in=10**9).count(".") == 5  # the longest kind
 
 
 def test_httpx_async_client(app, gateway):
