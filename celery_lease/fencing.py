@@ -640,18 +640,23 @@ class FenceSigner:
 
 
 def token_from_request(request: Any) -> str | None:
-    """The Fencing-Token header from a WSGI environ, an ASGI scope or a headers mapping."""
-    if isinstance(request, Mapping):
-        if "HTTP_FENCING_TOKEN" in request:  # WSGI environ
-            return str(request["HTTP_FENCING_TOKEN"])
-        if request.get("type") in ("http", "websocket") and "headers" in request:  # ASGI scope
-            for name, value in request["headers"]:
-                if name.decode("latin-1").lower() == FENCING_HEADER.lower():
-                    return str(value.decode("latin-1"))
-            return None
-        for name, value in request.items():  # plain headers
-            if str(name).lower() == FENCING_HEADER.lower():
-                return str(value)
+    """The Fencing-Token header from a WSGI environ, an ASGI scope, a headers mapping, or any
+    headers object with a ``get(name)`` method (``http.server``'s ``self.headers``, an
+    ``email.message.Message``: case-insensitive)."""
+    if not isinstance(request, Mapping):  # (an HTTPMessage is no Mapping)
+        get = getattr(request, "get", None)
+        value = get(FENCING_HEADER) if callable(get) else None
+        return None if value is None else str(value)
+    if "HTTP_FENCING_TOKEN" in request:  # WSGI environ
+        return str(request["HTTP_FENCING_TOKEN"])
+    if request.get("type") in ("http", "websocket") and "headers" in request:  # ASGI scope
+        for name, value in request["headers"]:
+            if name.decode("latin-1").lower() == FENCING_HEADER.lower():
+                return str(value.decode("latin-1"))
+        return None
+    for name, value in request.items():  # plain headers
+        if str(name).lower() == FENCING_HEADER.lower():
+            return str(value)
     return None
 
 
@@ -666,7 +671,9 @@ def check_fencing_token(
     """Admit the request's fencing token through ``gate``; usable in any WSGI/ASGI app.
 
     Args:
-        request: a WSGI environ, an ASGI scope, a headers mapping, or the header's value.
+        request: a WSGI environ, an ASGI scope, a headers mapping, any headers object with a
+            case-insensitive ``get`` (``http.server``'s ``self.headers``), or the header's
+            value.
         gate: where the highest admitted fence per key lives.
         key: the gate key (default: the token's resource).
         resource: when given, the token must name this resource.

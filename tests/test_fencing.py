@@ -726,6 +726,75 @@ def test_a_wsgi_tool_gateway_rejects_a_stale_owner_over_http():
         server.server_close()
 
 
+def test_a_stdlib_http_server_gateway_reads_its_headers_object():
+    """``check_fencing_token(self.headers, ...)`` in a ``http.server`` handler: its
+    ``HTTPMessage`` (no Mapping, case-insensitive ``get``) is read, whatever case the client
+    wrote the header in; the newest owner passes, the stale one gets 409, no header 403."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    gate = FenceGate("memory://")
+    actions, refusals = [], []
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_POST(self):
+            try:
+                fence = check_fencing_token(self.headers, gate, resource="browser-1")
+            except StaleFenceError:
+                status = 409
+            except InvalidFenceTokenError as exc:
+                refusals.append(str(exc))
+                status = 403
+            else:
+                actions.append(fence)
+                status = 200
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        store = MemoryLeaseStore()
+        old = store.acquire("browser-1", Owner.new("old"), 30)
+        store.force_release("browser-1")
+        new = store.acquire("browser-1", Owner.new("new"), 30)
+
+        def call(headers):
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{server.server_port}/act", data=b"", headers=headers
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert call(fencing_headers(new)) == 200
+        assert call({"fencing-token": f"browser-1;{new.fence}"}) == 200  # any case
+        assert call(fencing_headers(old)) == 409
+        assert call({}) == 403  # the control: a request without the header
+        assert actions == [new.fence, new.fence]
+        assert refusals == ["the request carries no Fencing-Token header"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_token_from_request_reads_any_headers_object_with_get():
+    """An ``email.message.Message`` (what ``http.server`` hands a handler) is read through
+    its case-insensitive ``get``; one without the header gives None."""
+    from email.message import Message
+
+    headers = Message()
+    headers["FENCING-TOKEN"] = "acct-1;7"
+    assert token_from_request(headers) == "acct-1;7"
+    assert token_from_request(Message()) is None
+
+
 _BOUND = 2**53 - 1  # the largest fence every store compares exactly
 
 
