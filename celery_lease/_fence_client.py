@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import InvalidFenceTokenError, LeaseConfigError, LeaseError, StaleFenceError
 from ._interrupt import raise_if_interrupted
 from ._lease import CURRENT_LEASE, Lease
-from ._names import mask_url, show_value
+from ._names import MAX_FENCE, mask_url, show_value
 
 if TYPE_CHECKING:
     from .fencing import FenceSigner
@@ -231,7 +231,8 @@ def raise_for_fence(response: Any, lease: Lease | None = None) -> Any:
         ``response``, when its status is neither 409 nor 403.
 
     Raises:
-        StaleFenceError: on 409.
+        StaleFenceError: on 409; its ``highest`` is the fence the answer's JSON body names as
+            ``{"highest": N}``, else None.
         InvalidFenceTokenError: on 403.
     """
     status = getattr(response, "status_code", None)
@@ -243,18 +244,33 @@ def raise_for_fence(response: Any, lease: Lease | None = None) -> Any:
     what = "its fencing token" if lease is None else f"fence {fence} for {resource!r}"
     where = _where(response)
     if status == 409:
+        highest = _highest_in(response)
+        newer = "a newer fence" if highest is None else f"fence {highest}"
         raise StaleFenceError(
-            f"the gateway refused {what} as stale ({where} answered 409): it accepted a newer "
-            "fence, a newer owner holds the lease; stop acting",
+            f"the gateway refused {what} as stale ({where} answered 409): it accepted {newer}, "
+            "a newer owner holds or held the lease; stop acting",
             resource,
             fence,
-            None,
+            highest,
         )
     raise InvalidFenceTokenError(
         f"the gateway refused {what} ({where} answered 403): the token is missing, malformed, "
         "forged, signed with a key it does not know, expired (check expires_in and both "
         "machines' clocks) or for another resource"
     )
+
+
+def _highest_in(response: Any) -> int | None:
+    """The newer fence a 409's JSON body names (``{"highest": N}``, as the gateways in
+    docs/fencing.md answer), or None: no JSON, no such field, or no fence a store grants."""
+    try:
+        body = response.json()
+    except Exception:  # noqa: BLE001 - any body, any library: the fence is then unknown
+        return None
+    highest = body.get("highest") if isinstance(body, dict) else None
+    if isinstance(highest, bool) or not isinstance(highest, int) or not 0 < highest <= MAX_FENCE:
+        return None
+    return highest
 
 
 def _where(response: Any) -> str:

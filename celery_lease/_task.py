@@ -1848,18 +1848,23 @@ def _copy_kind(request: Any) -> str:
 def _newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, str | None]:
     """The newer fence behind a side effect's refusal, and its holder when read from the store.
 
-    A ``FenceGate`` names the fence it accepted; a gateway's 409 may name none, and then the
-    store tells who holds the resource now (one read, on this rare path; nothing when it
-    fails or holds no newer lease)."""
+    A ``FenceGate`` names the fence it accepted (so does a gateway's 409 whose body says
+    ``{"highest": N}``); a 409 may name none, and then the store tells who holds the resource
+    now, or, when nobody does (the newer owner released already), the newest fence it granted
+    (a read or two, on this rare path; nothing when it fails or granted no newer fence)."""
     if refused.highest is not None:
         return refused.highest, None
+    store = lease.store
+    if store is None:
+        return None, None
     try:
-        info = lease.store.get(lease.resource) if lease.store is not None else None
+        info = store.get(lease.resource)
+        if info is not None and info.fence > lease.fence:
+            return info.fence, info.owner_label
+        highest = store.highest_fence(lease.resource)
     except LeaseError:
         return None, None
-    if info is None or info.fence <= lease.fence:
-        return None, None
-    return info.fence, info.owner_label
+    return (highest, None) if highest is not None and highest > lease.fence else (None, None)
 
 
 def _retry_message(exc: LeaseError, delay: float) -> str:

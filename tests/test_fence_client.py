@@ -79,16 +79,23 @@ def gateway(app) -> Iterator[SimpleNamespace]:
     """A tool gateway on loopback checking tokens through a gate on the app's lease store.
 
     ``signed`` (a mutable flag) makes it require signed tokens; ``actions`` lists the fences of
-    the calls it acted on, ``tokens`` every header it received.
+    the calls it acted on, ``tokens`` every header it received. ``json_409`` makes a 409's body
+    ``{"highest": N}`` (the newer fence; ``bad_highest`` replaces N), else plain text.
     """
     gate = FenceGate(store=get_store(app))
-    state = SimpleNamespace(actions=[], tokens=[], signed=True, url="")
+    state = SimpleNamespace(
+        actions=[], tokens=[], signed=True, url="", json_409=False, bad_highest=None
+    )
 
     def wsgi(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         state.tokens.append(environ.get("HTTP_FENCING_TOKEN"))
         try:
             fence = check_fencing_token(environ, gate, signer=SIGNER if state.signed else None)
         except StaleFenceError as exc:
+            if state.json_409:
+                highest = exc.highest if state.bad_highest is None else state.bad_highest
+                start_response("409 Conflict", [("Content-Type", "application/json")])
+                return [json.dumps({"highest": highest}).encode()]
             start_response("409 Conflict", [("Content-Type", "text/plain")])
             return [str(exc).encode()]
         except InvalidFenceTokenError as exc:
@@ -177,6 +184,59 @@ class TestFencedRequest:
         result = act.apply((5,))
         assert isinstance(result.result, LeaseLostError) and result.result.reason == "stale_fence"
         assert after == [] and gateway.actions == []
+
+    @pytest.mark.parametrize("body", ["json", "text"])
+    def test_the_stale_fence_line_names_the_newer_fence_after_its_owner_released(
+        self, app, gateway, client, caplog, body
+    ):
+        """The newer owner claimed, acted and released before the old one's call: its 409
+        still names the newer fence in the stale_fence line, from the answer's body
+        ``{"highest": N}`` or else from the store's newest granted fence (nobody holds the
+        lease to read it from)."""
+        gateway.json_409 = body == "json"
+        newer: list[Any] = []
+
+        @lease_task(app=app, resource="browser/account-{n}", name=unique("act"))
+        def act(n: int) -> None:
+            newer.append(_take_over(app, current_lease().resource))
+            gateway_call = fencing_headers(newer[0], signer=SIGNER)  # the newer owner acts
+            assert client.request("POST", gateway.url, headers=gateway_call).status_code == 200
+            get_store(app).release(newer[0])  # ... and is done
+            fenced_request(client, "POST", gateway.url, json={}, signer=SIGNER)
+
+        with caplog.at_level("WARNING", logger="celery_lease"):
+            result = act.apply((7,))
+        assert isinstance(result.result, LeaseLostError)
+        assert get_store(app).get("browser/account-7") is None  # nobody holds it now
+        lines = [r.getMessage() for r in caplog.records if "] stale_fence: " in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert f"newer_fence={newer[0].fence}" in lines[0]
+
+    def test_a_409_body_names_the_newer_fence_only_when_it_is_a_fence(self, app, gateway, client):
+        """``{"highest": N}`` sets StaleFenceError.highest; a string, a bool, 0 or a number past
+        any fence is ignored (highest None), as is a body that is no JSON."""
+        lease = get_store(app).acquire("doc/11", Owner.new(), 30)
+        newer = _take_over(app, "doc/11")
+        assert (
+            client.request(
+                "POST", gateway.url, headers=fencing_headers(newer, signer=SIGNER)
+            ).status_code
+            == 200
+        )
+        gateway.json_409 = True
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_request(client, "POST", gateway.url, lease=lease, signer=SIGNER)
+        assert caught.value.highest == newer.fence
+        assert f"it accepted fence {newer.fence}" in str(caught.value)
+        for bad in ("12", True, 0, 2**63):
+            gateway.bad_highest = bad
+            with pytest.raises(StaleFenceError) as caught:
+                fenced_request(client, "POST", gateway.url, lease=lease, signer=SIGNER)
+            assert caught.value.highest is None, bad
+        gateway.json_409 = False
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_request(client, "POST", gateway.url, lease=lease, signer=SIGNER)
+        assert caught.value.highest is None
 
     def test_negative_control_without_the_check_the_body_goes_on(self, app, gateway, client):
         """The same call with the headers alone: the gateway answers 409 too, but nothing

@@ -430,6 +430,13 @@ class LeaseStore(Protocol):
         """Read the resource's lease (live, or expired and never released), or None."""
         ...
 
+    def highest_fence(self, resource: str) -> int | None:
+        """The newest fence granted for ``resource`` (a force-release's bump included), held
+        or not: release and expiry keep it, as the next claim's fence is greater. None when
+        the resource was never claimed here (or its record is gone: a Redis shard that lost
+        its data)."""
+        ...
+
     def waiters(self, resource: str) -> builtins.list[Waiter]:
         """The resource's wait list, head first (places that lapsed are left out)."""
         ...

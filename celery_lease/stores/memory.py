@@ -591,6 +591,11 @@ class MemoryLeaseStore(BaseLeaseStore):
             current = self._leases.get(resource)
             return None if current is None else current.info(resource, self._now_us())
 
+    def highest_fence(self, resource: str) -> int | None:
+        resource = validate_resource(resource)
+        with self._lock:
+            return self._fences.get(resource)
+
     def list(
         self,
         *,

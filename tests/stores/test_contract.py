@@ -283,6 +283,21 @@ class TestReadAndAdmin:
         assert nxt.fence >= held.fence + 2
         assert store.force_release(names + "none") is None
 
+    def test_highest_fence_outlives_the_lease(self, store, names):
+        """highest_fence names the newest fence granted, held or released or force-released
+        (its bump counted), and the next claim's fence is above it; None before any claim."""
+        resource = names + "a"
+        assert store.highest_fence(resource) is None
+        first = store.acquire(resource, Owner.new(), LONG)
+        assert store.highest_fence(resource) == first.fence
+        store.release(first)
+        assert store.get(resource) is None and store.highest_fence(resource) == first.fence
+        second = store.acquire(resource, Owner.new(), LONG)
+        store.force_release(resource)
+        bumped = store.highest_fence(resource)
+        assert bumped is not None and bumped > second.fence
+        assert store.acquire(resource, Owner.new(), LONG).fence > bumped
+
     def test_force_release_warns_on_the_backend_logger(self, store, names, request, caplog):
         """The force-release warning is on the backend's own logger (as before stores became
         packages), so logging set up for ``celery_lease.stores.redis`` / ``.sql`` still sees it;

@@ -586,6 +586,12 @@ class RedisLeaseStore(BaseLeaseStore):
         now, record = reply[0], reply[1] if len(reply) > 1 else None
         return None if record is None else self._info(resource, record, now)
 
+    def highest_fence(self, resource: str) -> int | None:
+        fences = self._fences_key(resource)
+        with self._run("fence read of %r", resource):
+            found = self.client.hget(fences, resource)
+        return None if found is None else int(found)
+
     def list(
         self,
         *,

@@ -655,6 +655,15 @@ class SQLLeaseStore(BaseLeaseStore):
         )
         return None if row is None else lease_info(resource, *row)
 
+    def highest_fence(self, resource: str) -> int | None:
+        validate_resource(resource)
+        params = {"r": resource}
+        # (a released row keeps its fence: the state statement reads it, held or not)
+        row = self._connections.run(
+            f"fence read of {resource!r}", lambda c: fetch(c, self.sql.state, params)
+        )
+        return None if row is None else int(row[2])
+
     def list(
         self,
         *,
