@@ -1860,7 +1860,8 @@ def _newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, s
     try:
         info = store.get(lease.resource)
         if info is not None and info.fence > lease.fence:
-            return info.fence, info.owner_label
+            # (an expired lease's owner holds nothing: name its fence, not it)
+            return info.fence, None if info.expired else info.owner_label
         highest = store.highest_fence(lease.resource)
     except LeaseError:
         return None, None

@@ -212,6 +212,23 @@ class TestFencedRequest:
         assert len(lines) == 1, lines
         assert f"newer_fence={newer[0].fence}" in lines[0]
 
+    def test_a_newer_owner_whose_lease_expired_is_not_named_the_holder(self):
+        """A 409 with no fence in its body, read against the store: a newer owner whose lease
+        ran out too gives its fence but no holder (it holds nothing); while it is live (the
+        control), both."""
+        from celery_lease._task import _newer_holder
+        from celery_lease.stores import MemoryLeaseStore
+        from tests.tooling.servers import wait_for
+
+        store = MemoryLeaseStore()
+        old = store.acquire("doc/12", Owner.new("old"), 0.05)
+        wait_for(lambda: store.get("doc/12").expired, 5, "the old lease to expire")
+        newer = store.acquire("doc/12", Owner.new("newer"), 0.05)
+        refused = StaleFenceError("409", "doc/12", old.fence, None)
+        assert _newer_holder(old, refused) == (newer.fence, "newer")
+        wait_for(lambda: store.get("doc/12").expired, 5, "the newer lease to expire")
+        assert _newer_holder(old, refused) == (newer.fence, None)
+
     def test_a_409_body_names_the_newer_fence_only_when_it_is_a_fence(self, app, gateway, client):
         """``{"highest": N}`` sets StaleFenceError.highest; a string, a bool, 0 or a number past
         any fence is ignored (highest None), as is a body that is no JSON."""

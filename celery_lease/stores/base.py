@@ -642,9 +642,14 @@ def changed_hands(resource: str, fence: int, info: LeaseInfo) -> LeaseBusyError:
     )
 
 
-def lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
-    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over)."""
-    return lease.mark_lost(LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence))
+def lost(
+    lease: Lease, reason: str, label: str | None, fence: int | None, expired: bool = False
+) -> LeaseLostError:
+    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over;
+    ``expired``: that holder's lease has run out since)."""
+    return lease.mark_lost(
+        LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence, expired)
+    )
 
 
 class BaseLeaseStore:

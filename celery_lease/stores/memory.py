@@ -402,7 +402,8 @@ class MemoryLeaseStore(BaseLeaseStore):
             forced = self._forced.get(lease.resource) == lease.fence
             return self._lost(lease, "force_released" if forced else "released", None, None)
         if current.token != lease.owner.token or current.fence != lease.fence:
-            return self._lost(lease, "taken_over", current.label, current.fence)
+            expired = current.expires_us <= now
+            return self._lost(lease, "taken_over", current.label, current.fence, expired)
         if current.expires_us <= now:
             return self._lost(lease, "expired", None, None)
         return current

@@ -387,7 +387,8 @@ class RedisLeaseStore(BaseLeaseStore):
         reason = _text(item[1])
         label = _text(item[2]) if len(item) > 2 and item[2] else None
         fence = int(item[3]) if len(item) > 3 and item[3] is not None else None
-        return self._lost(lease, reason, label, fence)
+        expired = len(item) > 4 and bool(int(item[4]))  # (taken over, and expired since)
+        return self._lost(lease, reason, label, fence, expired)
 
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None
