@@ -40,7 +40,7 @@ from . import _outage as outage
 from ._errors import LeaseConfigError, LeaseError, LeaseStoreError, StaleFenceError
 from ._eventlog import lease_log
 from ._lease import Lease
-from ._names import RESOURCE_PATTERN, RESOURCE_RULE, mask_url, show_value
+from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, without_queries
 from ._template import NameTemplate
 from .fencing import FenceGate
 
@@ -70,11 +70,12 @@ def _is_gate(value: object) -> bool:
 
 def gate_label(gate: object) -> str:
     """How messages, log lines and the outage report name a gate: its class, and its URL
-    (password masked) when it has one. Never its repr, which a client of the user's may fill
-    with a token."""
+    (password masked, query string left out: a gateway's API key may ride there under any
+    name) when it has one. Never its repr, which a client of the user's may fill with a
+    token."""
     url = getattr(gate, "url", None)
     name = type(gate).__qualname__
-    return f"{name}({mask_url(url)})" if isinstance(url, str) else name
+    return f"{name}({without_queries(url)})" if isinstance(url, str) else name
 
 
 def _entries(spec: object, task: str) -> list[tuple[Any, str | Callable[..., Any] | None]]:
@@ -220,14 +221,16 @@ class Gates:
             except LeaseConfigError as exc:
                 error = LeaseConfigError(
                     f"task {self.task!r}: fence gate {entry.label} refused key {key!r} or fence "
-                    f"{lease.fence} as invalid ({exc}); give the gate a key it takes "
+                    f"{lease.fence} as invalid ({without_queries(exc)}); give the gate a key it "
+                    "takes "
                     "(gates=[(gate, 'a-key-template-{argument}')])"
                 )
                 return self._refused(entry, key, lease, task_id, error, "config")
             except Exception as exc:  # noqa: BLE001 - any failure of the user's gate: not admitted
                 error = LeaseStoreError(
                     f"fence gate {entry.label} did not admit fence {lease.fence} for key "
-                    f"{key!r} of {lease.resource!r} ({type(exc).__name__}: {exc}); the lease "
+                    f"{key!r} of {lease.resource!r} ({type(exc).__name__}: "
+                    f"{without_queries(exc)}); the lease "
                     "was given back and the claim is tried again as on a lease store outage",
                     isinstance(exc, LeaseStoreError) and exc.refused,
                 )

@@ -230,6 +230,24 @@ def _password_span(text: str) -> tuple[int, int] | None:
     return colon + 1, at
 
 
+#: A query or fragment after a URL or an absolute path (up to a space or quote), as a driver's
+#: or HTTP client's error quotes it: ``for url: http://h/x?api_key=...``, ``url: /x?api_key=``.
+_QUERY_IN_TEXT = re.compile(r"((?:[A-Za-z][A-Za-z0-9+.\-]*://|/)[^\s?#'\"<>]*)[?#][^\s'\"<>]*")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S+")
+
+
+def without_queries(text: object) -> str:
+    """``text`` with every query string and fragment after a URL or an absolute path left out
+    and every URL's password masked: for a URL or an error message of the user's (a gate's
+    client), whose query may carry an API key under any name (``?api_key=``, ``?key=``)."""
+    shown = str(text)
+    if "?" in shown or "#" in shown:
+        shown = _QUERY_IN_TEXT.sub(r"\1", shown)
+    if "://" in shown and "@" in shown:
+        shown = _URL_IN_TEXT.sub(lambda m: mask_url(m.group(0)), shown)
+    return shown
+
+
 def mask_url(url: object) -> str:
     """Return the URL with any password replaced by ``***`` (safe to log or show)."""
     text = str(url)

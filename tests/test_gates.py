@@ -503,3 +503,100 @@ class TestKeys:
             return current_lease().fence
 
         assert task.apply((1,)).get() == gateway.highest["account 1 (EU)"]
+
+
+SECRET = "SECRET-apikey-4f2a91"
+
+
+class ToolGateway:
+    """The client of an HTTP tool gateway as docs/fencing.md shows one, with the gateway's API
+    key in its URL's query string (``requests``: its errors quote the URL)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def admit(self, key: str, fence: int) -> None:
+        import requests
+
+        response = requests.post(self.url, json={"key": key, "fence": fence}, timeout=5)
+        response.raise_for_status()
+
+
+@pytest.fixture
+def unavailable():
+    """A stdlib HTTP server on 127.0.0.1 that answers every call 503."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Down(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Down)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+class TestSecretsInAGatesUrl:
+    """A gate whose URL carries an API key in its query string, failing: the key is in
+    no log line (gate_refused, the outage warning, Celery's retry line) and not in the RETRY
+    state the result backend holds."""
+
+    @pytest.mark.parametrize("how", ["503", "refused"])
+    def test_the_api_key_reaches_no_log_line_and_no_stored_state(
+        self, app, leases, unavailable, how, caplog
+    ):
+        from celery.contrib.testing.worker import start_worker
+
+        base = unavailable if how == "503" else f"http://127.0.0.1:{free_port()}"
+        tool = ToolGateway(f"{base}/fences?api_key={SECRET}")
+        with pytest.raises(Exception) as raw:  # the negative control: the client's own
+            tool.admit("acct-1", 1)  # error quotes the key (a URL, or a path without scheme)
+        assert SECRET in str(raw.value)
+        ran: list[int] = []
+        app.conf.worker_hijack_root_logger = False  # (keep caplog's handler on the root)
+
+        @lease_task(
+            app=app, resource="acct-{n}", gates=[tool], store_down_max_wait=60, name=unique("g")
+        )
+        def step(n):
+            ran.append(n)
+
+        with (
+            caplog.at_level(logging.DEBUG),
+            start_worker(
+                app, pool="threads", concurrency=1, perform_ping_check=False, loglevel="INFO"
+            ),
+        ):
+            result = step.delay(1)
+            wait_for(lambda: result.state == "RETRY", 30, "the task to go to RETRY")
+            meta = app.backend.get_task_meta(result.id)
+            info = result.info
+            stored = f"{meta!r} {meta.get('result')} {info!r}"
+        assert ran == []
+        assert "fence gate ToolGateway(http://127.0.0.1:" in str(info)
+        assert SECRET not in stored
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("gate_refused" in line for line in lines)
+        assert any("the fence gate ToolGateway(" in line for line in lines)  # the outage
+        assert any(" retry: " in line for line in lines)  # Celery's retry line
+        assert not [line for line in lines if SECRET in line]
+        assert SECRET not in caplog.text  # (tracebacks included)
+        assert leases.get("acct-1") is None  # given back
+
+    def test_a_label_and_a_message_drop_every_query_and_mask_passwords(self):
+        """gate_label and the admit failure's message leave out any query string (not only
+        the parameters called pass, secret or token) and mask a password."""
+        from celery_lease._gates import gate_label
+
+        tool = ToolGateway(f"https://user:pw-{SECRET}@gw.example/fences?api_key={SECRET}#x")
+        assert gate_label(tool) == "ToolGateway(https://user:***@gw.example/fences)"
