@@ -70,7 +70,7 @@ from ._errors import (
 )
 from ._eventlog import SHORTEN_LOOKAHEAD, lease_log, shorten
 from ._eventlog import log as event_log
-from ._gates import Gate, Gates, Refusal, check_gates
+from ._gates import Gates, GatesSpec, Refusal, check_gates
 from ._interrupt import Interrupter, LeaseInterrupt, eventlet_patched
 from ._lease import CURRENT_LEASE, Lease, Owner, identity_outcome
 from ._names import (
@@ -242,8 +242,9 @@ class LeaseTask(Task):  # type: ignore[misc]
     #: ``idempotency_key`` header or the task id; False: no identity (no dedup, no ledger).
     lease_identity: str | Callable[..., str] | bool | None = None
     #: Gates that admit each new fence right after the claim, before the body: a gate (its key
-    #: is the resource) or a ``(gate, key template or callable)`` pair per entry; see _gates.
-    lease_gates: Sequence[Gate | tuple[Gate, str | Callable[..., str]]] | None = None
+    #: is the resource) or a ``(gate, key template or callable)`` pair per entry, the gate
+    #: possibly a no-argument callable returning it (asked at each claim); see _gates.
+    lease_gates: GatesSpec | None = None
     lease_store_url: str | None = None
     lease_ttl: float | None = None
     lease_renew_interval: float | None = None
@@ -644,6 +645,17 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def _gate_refused(self, refusal: Refusal, lease: Lease, settings: LeaseSettings) -> Any:
         error = refusal.error
+        if isinstance(error, StaleFenceError) and _gate_outlived_store(error, lease):
+            raise LeaseConfigError(
+                f"task {self.name!r}: fence gate {refusal.gate} already admitted fence "
+                f"{error.highest} for key {refusal.key!r}, higher than any fence the lease "
+                f"store {_store_url(lease)} ever granted for {lease.resource!r} (its newest: "
+                f"{lease.fence}): the gate outlived its lease store (the store was reset or "
+                "replaced, e.g. moved from Redis to SQL, or a test's in-memory store), so no "
+                "claim would ever pass it. Reset the gate's record of that key (its row or "
+                "key), or give the gate the lease store's fences (FenceGate(store=lease_store) "
+                "or the store's URL and prefix); the task does not run again by itself"
+            )
         if isinstance(error, StaleFenceError):
             newer = "a newer fence" if error.highest is None else f"fence {error.highest}"
             lost = lease.mark_lost(
@@ -1845,6 +1857,23 @@ def _copy_kind(request: Any) -> str:
     return "message"
 
 
+def _gate_outlived_store(refused: StaleFenceError, lease: Lease) -> bool:
+    """Whether a gate's refusal at claim names a fence above every fence the lease store ever
+    granted for the resource (read after the lease was given back: a newer claim since then
+    raises the store's fence too, and then this is an ordinary stale claim)."""
+    if refused.highest is None or refused.highest <= lease.fence or lease.store is None:
+        return False
+    try:
+        granted = lease.store.highest_fence(lease.resource)
+    except LeaseError:  # unknown: treat it as the ordinary stale claim it most likely is
+        return False
+    return granted is not None and refused.highest > granted
+
+
+def _store_url(lease: Lease) -> str:
+    return str(getattr(lease.store, "url", "?"))
+
+
 def _newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, str | None]:
     """The newer fence behind a side effect's refusal, and its holder when read from the store.
 
@@ -2246,7 +2275,7 @@ def lease_task(
     *args: Any,
     resource: str | Callable[..., str] | None = None,
     identity: str | Callable[..., str] | bool | None = None,
-    gates: Sequence[Gate | tuple[Gate, str | Callable[..., str]]] | None = None,
+    gates: GatesSpec | None = None,
     reconcile: Callable[[Lease], None] | None = None,
     reconcile_effect: Callable[[str, Lease], Any] | None = None,
     app: Any = None,
@@ -2276,7 +2305,9 @@ def lease_task(
             the lease store (another database, an HTTP gateway of another service). Each entry
             is a gate (anything with ``admit(key, fence)``; its key is the resource) or a
             ``(gate, key)`` pair, the key a template over the task's arguments like
-            ``resource`` (``"account-{account_id}"``) or a callable taking them.
+            ``resource`` (``"account-{account_id}"``) or a callable taking them. The gate may
+            also be a callable taking no arguments that returns it (``lambda: gate``), asked
+            at each claim, so that a gate a test swaps in is the one admitted at.
         reconcile: ``reconcile(lease)``, called before the body when an earlier owner of the
             work did not finish (``lease.recovered``).
         reconcile_effect: ``reconcile_effect(key, lease)`` for an effect begun by an earlier
