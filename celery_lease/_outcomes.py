@@ -14,7 +14,13 @@ from celery import states
 from . import _clock, _copies, _execution
 from . import _events as events
 from . import _outage as outage
-from ._errors import LeaseError, LeaseLostError, LeaseStoreError, StaleFenceError
+from ._errors import (
+    LeaseConfigError,
+    LeaseError,
+    LeaseLostError,
+    LeaseStoreError,
+    StaleFenceError,
+)
 from ._eventlog import lease_log
 from ._gates import Refusal
 from ._interrupt import Interrupter
@@ -208,6 +214,17 @@ def gate_refused(task: Any, setup: TaskSetup, refusal: Refusal, lease: Lease) ->
     """A gate of ``gates=`` refused the new fence (the lease is given back by now): a stale
     fence there ends the attempt as a lost lease, a gate that failed as a store outage."""
     error = refusal.error
+    if isinstance(error, StaleFenceError) and _gate_outlived_store(error, lease):
+        raise LeaseConfigError(
+            f"task {task.name!r}: fence gate {refusal.gate} already admitted fence "
+            f"{error.highest} for key {refusal.key!r}, higher than any fence the lease "
+            f"store {_store_url(lease)} ever granted for {lease.resource!r} (its newest: "
+            f"{lease.fence}): the gate outlived its lease store (the store was reset or "
+            "replaced, e.g. moved from Redis to SQL, or a test's in-memory store), so no "
+            "claim would ever pass it. Reset the gate's record of that key (its row or "
+            "key), or give the gate the lease store's fences (FenceGate(store=lease_store) "
+            "or the store's URL and prefix); the task does not run again by itself"
+        )
     if isinstance(error, StaleFenceError):
         newer = "a newer fence" if error.highest is None else f"fence {error.highest}"
         lost = lease.mark_lost(
@@ -227,18 +244,41 @@ def gate_refused(task: Any, setup: TaskSetup, refusal: Refusal, lease: Lease) ->
     raise error
 
 
+def _gate_outlived_store(refused: StaleFenceError, lease: Lease) -> bool:
+    """Whether a gate's refusal at claim names a fence above every fence the lease store ever
+    granted for the resource (read after the lease was given back: a newer claim since then
+    raises the store's fence too, and then this is an ordinary stale claim)."""
+    if refused.highest is None or refused.highest <= lease.fence or lease.store is None:
+        return False
+    try:
+        granted = lease.store.highest_fence(lease.resource)
+    except LeaseError:  # unknown: treat it as the ordinary stale claim it most likely is
+        return False
+    return granted is not None and refused.highest > granted
+
+
+def _store_url(lease: Lease) -> str:
+    return str(getattr(lease.store, "url", "?"))
+
+
 def newer_holder(lease: Lease, refused: StaleFenceError) -> tuple[int | None, str | None]:
     """The newer fence behind a side effect's refusal, and its holder when read from the store.
 
-    A ``FenceGate`` names the fence it accepted; a gateway's 409 may name none, and then the
-    store tells who holds the resource now (one read, on this rare path; nothing when it
-    fails or holds no newer lease)."""
+    A ``FenceGate`` names the fence it accepted (so does a gateway's 409 whose body says
+    ``{"highest": N}``); a 409 may name none, and then the store tells who holds the resource
+    now, or, when nobody does (the newer owner released already), the newest fence it granted
+    (a read or two, on this rare path; nothing when it fails or granted no newer fence)."""
     if refused.highest is not None:
         return refused.highest, None
+    store = lease.store
+    if store is None:
+        return None, None
     try:
-        info = lease.store.get(lease.resource) if lease.store is not None else None
+        info = store.get(lease.resource)
+        if info is not None and info.fence > lease.fence:
+            # (an expired lease's owner holds nothing: name its fence, not it)
+            return info.fence, None if info.expired else info.owner_label
+        highest = store.highest_fence(lease.resource)
     except LeaseError:
         return None, None
-    if info is None or info.fence <= lease.fence:
-        return None, None
-    return info.fence, info.owner_label
+    return (highest, None) if highest is not None and highest > lease.fence else (None, None)

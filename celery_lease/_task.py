@@ -23,7 +23,7 @@ Eager (``apply()``) and direct calls never spin: a busy or lost lease raises at 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -34,7 +34,7 @@ from . import _events as events
 from ._app import install, register_task_type
 from ._attempt import Attempt
 from ._errors import LeaseConfigError, LeaseError
-from ._gates import Gate, check_gates
+from ._gates import GatesSpec, check_gates
 from ._lease import CURRENT_LEASE, Lease
 from ._message import PUBLISHED_HEADER, read_header, take_sent_route
 from ._names import IDENTITY_RULE, did_you_mean, show_value, validate_resource
@@ -119,8 +119,9 @@ class LeaseTask(Task):  # type: ignore[misc]
     #: ``idempotency_key`` header or the task id; False: no identity (no dedup, no ledger).
     lease_identity: str | Callable[..., str] | bool | None = None
     #: Gates that admit each new fence right after the claim, before the body: a gate (its key
-    #: is the resource) or a ``(gate, key template or callable)`` pair per entry; see _gates.
-    lease_gates: Sequence[Gate | tuple[Gate, str | Callable[..., str]]] | None = None
+    #: is the resource) or a ``(gate, key template or callable)`` pair per entry, the gate
+    #: possibly a no-argument callable returning it (asked at each claim); see _gates.
+    lease_gates: GatesSpec | None = None
     lease_store_url: str | None = None
     lease_ttl: float | None = None
     lease_renew_interval: float | None = None
@@ -324,7 +325,7 @@ def lease_task(
     *args: Any,
     resource: str | Callable[..., str] | None = None,
     identity: str | Callable[..., str] | bool | None = None,
-    gates: Sequence[Gate | tuple[Gate, str | Callable[..., str]]] | None = None,
+    gates: GatesSpec | None = None,
     reconcile: Callable[[Lease], None] | None = None,
     reconcile_effect: Callable[[str, Lease], Any] | None = None,
     app: Any = None,
@@ -354,7 +355,9 @@ def lease_task(
             the lease store (another database, an HTTP gateway of another service). Each entry
             is a gate (anything with ``admit(key, fence)``; its key is the resource) or a
             ``(gate, key)`` pair, the key a template over the task's arguments like
-            ``resource`` (``"account-{account_id}"``) or a callable taking them.
+            ``resource`` (``"account-{account_id}"``) or a callable taking them. The gate may
+            also be a callable taking no arguments that returns it (``lambda: gate``), asked
+            at each claim, so that a gate a test swaps in is the one admitted at.
         reconcile: ``reconcile(lease)``, called before the body when an earlier owner of the
             work did not finish (``lease.recovered``).
         reconcile_effect: ``reconcile_effect(key, lease)`` for an effect begun by an earlier

@@ -112,7 +112,7 @@ from .. import _clock
 from .._codec import from_micros
 from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
-from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
+from .._names import IDENTITY_RULE, MAX_FENCE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
 from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
 
@@ -430,6 +430,13 @@ class LeaseStore(Protocol):
         """Read the resource's lease (live, or expired and never released), or None."""
         ...
 
+    def highest_fence(self, resource: str) -> int | None:
+        """The newest fence granted for ``resource`` (a force-release's bump included), held
+        or not: release and expiry keep it, as the next claim's fence is greater. None when
+        the resource was never claimed here (or its record is gone: a Redis shard that lost
+        its data)."""
+        ...
+
     def waiters(self, resource: str) -> builtins.list[Waiter]:
         """The resource's wait list, head first (places that lapsed are left out)."""
         ...
@@ -635,9 +642,14 @@ def changed_hands(resource: str, fence: int, info: LeaseInfo) -> LeaseBusyError:
     )
 
 
-def lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
-    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over)."""
-    return lease.mark_lost(LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence))
+def lost(
+    lease: Lease, reason: str, label: str | None, fence: int | None, expired: bool = False
+) -> LeaseLostError:
+    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over;
+    ``expired``: that holder's lease has run out since)."""
+    return lease.mark_lost(
+        LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence, expired)
+    )
 
 
 class BaseLeaseStore:
@@ -808,10 +820,10 @@ class BaseLeaseStore:
     def _fence_arg(fence: int | None) -> int | None:
         if fence is None:
             return None
-        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 0:
+        if isinstance(fence, bool) or not isinstance(fence, int) or not 0 <= fence <= MAX_FENCE:
             raise LeaseConfigError(
-                "fence must be a non-negative int (the fence shown for the lease), got "
-                f"{show_value(fence)}"
+                f"fence must be an int from 0 to {MAX_FENCE} (the fence shown for the lease), "
+                f"got {show_value(fence)}"
             )
         return fence
 

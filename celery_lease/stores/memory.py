@@ -19,7 +19,7 @@ from .. import _clock
 from .._codec import decode, from_micros
 from .._errors import IdentityDoneError, LeaseBusyError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
-from .._names import validate_resource
+from .._names import validate_fence, validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -402,7 +402,8 @@ class MemoryLeaseStore(BaseLeaseStore):
             forced = self._forced.get(lease.resource) == lease.fence
             return self._lost(lease, "force_released" if forced else "released", None, None)
         if current.token != lease.owner.token or current.fence != lease.fence:
-            return self._lost(lease, "taken_over", current.label, current.fence)
+            expired = current.expires_us <= now
+            return self._lost(lease, "taken_over", current.label, current.fence, expired)
         if current.expires_us <= now:
             return self._lost(lease, "expired", None, None)
         return current
@@ -591,6 +592,11 @@ class MemoryLeaseStore(BaseLeaseStore):
             current = self._leases.get(resource)
             return None if current is None else current.info(resource, self._now_us())
 
+    def highest_fence(self, resource: str) -> int | None:
+        resource = validate_resource(resource)
+        with self._lock:
+            return self._fences.get(resource)
+
     def list(
         self,
         *,
@@ -638,6 +644,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the newest fence
         granted for ``key`` as a resource (FenceGate support)."""
         validate_resource(key)
+        fence = validate_fence(fence)
         with self._lock:
             # Under the lock that claims and force-releases take: a grant is either before
             # this decision (and counts) or after it.

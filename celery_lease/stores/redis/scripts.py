@@ -622,7 +622,8 @@ RENEW = (
 -- KEYS[3i-2] leases hash, KEYS[3i-1] expiry zset and KEYS[3i] fences hash of lease i's shard
 -- ARGV[4i-3] resource, ARGV[4i-2] owner token, ARGV[4i-1] fence, ARGV[4i] ttl (us) of lease i;
 -- a ttl of 0 only verifies the lease and changes nothing
--- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence};
+-- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence,
+--         1 when that holder's lease expired too (taken_over) else 0};
 -- reason 'store_reset' when the shard's epoch is gone (the server lost its data),
 -- 'force_released' when an administrator evicted this lease
 """
@@ -640,7 +641,7 @@ for i = 1, #KEYS / 3 do
   else
     local ctok, cf, a, e, label, tail = parse(cur)
     if ctok ~= tok or cf ~= fence then
-      out[#out + 1] = {0, 'taken_over', label, tonumber(cf)}
+      out[#out + 1] = {0, 'taken_over', label, tonumber(cf), tonumber(e) <= now and 1 or 0}
     elseif tonumber(e) <= now then
       out[#out + 1] = {0, 'expired'}
     elseif tonumber(ttl) == 0 then
@@ -965,7 +966,7 @@ EFFECT_BEGIN = (
 -- ARGV[6] retention (us)
 -- proves the lease is live and ours, then records the effect's intent unless it is done
 -- returns {1, 'new'} | {1, 'intent', earlier_fence} | {1, 'done', fence, receipt}
---      or {0, reason, holder_label, holder_fence} when the lease is not ours
+--      or {0, reason, holder_label, holder_fence, holder expired 1|0} when the lease is not ours
 """
     + _PRELUDE
     + _GONE
@@ -973,7 +974,9 @@ EFFECT_BEGIN = (
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {0, gone(KEYS[4], ARGV[1], ARGV[3])} end
 local tok, f, a, e, label = parse(cur)
-if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
+if tok ~= ARGV[2] or f ~= ARGV[3] then
+  return {0, 'taken_over', label, tonumber(f), tonumber(e) <= now and 1 or 0}
+end
 if tonumber(e) <= now then return {0, 'expired'} end
 trim(KEYS[3], now, KEYS[2], nil)
 local member = ARGV[1] .. '|' .. ARGV[4] .. '|' .. ARGV[5]
@@ -1017,7 +1020,7 @@ CHECKPOINT = (
 -- KEYS[1] leases hash, KEYS[2] ckpt hash, KEYS[3] fences hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity, ARGV[5] data (JSON)
 -- stores the identity's checkpoints if the lease is live and ours and no newer fence wrote
--- returns {1} or {0, reason, holder_label, holder_fence}
+-- returns {1} or {0, reason, holder_label, holder_fence, holder expired 1|0}
 """
     + _PRELUDE
     + _GONE
@@ -1025,7 +1028,9 @@ CHECKPOINT = (
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {0, gone(KEYS[3], ARGV[1], ARGV[3])} end
 local tok, f, a, e, label = parse(cur)
-if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
+if tok ~= ARGV[2] or f ~= ARGV[3] then
+  return {0, 'taken_over', label, tonumber(f), tonumber(e) <= now and 1 or 0}
+end
 if tonumber(e) <= now then return {0, 'expired'} end
 local member = ARGV[1] .. '|' .. ARGV[4]
 local old = redis.call('HGET', KEYS[2], member)
