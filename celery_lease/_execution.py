@@ -96,14 +96,14 @@ def requeue(
     delay: float,
     updates: dict[str, Any],
     store: bool = True,
-    via_wake_queue: bool = False,
+    wake_queue: str | None = None,
 ) -> NoReturn:
     """Send this execution again after ``delay`` without touching ``request.retries``.
 
     ``updates`` sets our budget headers on the new message (None drops one). Ends with
     ``Retry`` (Celery stores RETRY), or with ``Ignore`` (nothing stored) when not ``store``.
-    With ``via_wake_queue``, a copy delivered from a wake queue is sent through it again
-    (on its own route as a wake is, see _to_wake_queue), not behind its queue's backlog.
+    With ``wake_queue``, the copy is sent through that wake queue (on its own route as a wake
+    is, see _to_wake_queue), not behind its task queue's backlog.
     """
     request = task.request
     headers = dict(request.headers or {})
@@ -119,9 +119,8 @@ def requeue(
     signature = task.signature_from_request(
         request, countdown=delay, retries=request.retries or 0, headers=headers
     )
-    via = getattr(request, "lease_wake_queue", None) if via_wake_queue else None
-    if isinstance(via, str):
-        _to_wake_queue(signature.options, signature.options.setdefault("headers", {}), via)
+    if wake_queue is not None:
+        _to_wake_queue(signature.options, signature.options.setdefault("headers", {}), wake_queue)
     signature.apply_async()
     if not store:
         raise Ignore(f"{exc}: sent again in {delay:.2f}s") from exc

@@ -18,6 +18,7 @@ from celery.exceptions import Ignore
 
 from . import _copies, _execution
 from . import _events as events
+from ._app import wake_queue_for
 from ._errors import BUSY_ADVICE, LeaseBusyError
 from ._message import (
     POLLS_HEADER,
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 #: route (the tests' negative control sets False): on its task queue it waited behind the
 #: burst's first attempts, 0.5-0.8 s where 20 ms was meant.
 EARLY_RETRY_VIA_WAKE_QUEUE = True
+#: A polling waiter's copies go through its task queue's wake queue, as wakes do (the tests'
+#: negative control sets False): through the task queue they waited behind its backlog and
+#: missed the turn held for them, and listed later arrivals, woken through the wake queue,
+#: overtook them.
+POLL_VIA_WAKE_QUEUE = True
 
 
 class Refused:
@@ -134,7 +140,7 @@ def _early_again(task: Any, busy: LeaseBusyError, left: int, waits: int) -> NoRe
         # (0 after the last: still an early copy, see the give-up in lease_busy)
         {EARLY_HEADER: left - 1},
         store=task.track_started or not waits,
-        via_wake_queue=EARLY_RETRY_VIA_WAKE_QUEUE,
+        wake_queue=_came_from(task.request) if EARLY_RETRY_VIA_WAKE_QUEUE else None,
     )
 
 
@@ -186,8 +192,18 @@ def _poll(
         WOKEN_HEADER: None,
         EARLY_HEADER: None,
     }
+    wake_queue = None
+    if POLL_VIA_WAKE_QUEUE:
+        wake_queue = _came_from(request)
+        if wake_queue is None and setup.wake_queues:
+            wake_queue = wake_queue_for(task.app, request.delivery_info)
     _execution.requeue(
-        task, busy, delay, updates, store=not polls and not waits and not task.track_started
+        task,
+        busy,
+        delay,
+        updates,
+        store=not polls and not waits and not task.track_started,
+        wake_queue=wake_queue,
     )
 
 
@@ -259,6 +275,12 @@ def _wait(
     # copy of it has ended since and its final state must stay (backends keep only SUCCESS
     # from being stored over).
     _execution.requeue(task, busy, delay, updates, store=not waits or task.track_started)
+
+
+def _came_from(request: Any) -> str | None:
+    """The wake queue this copy was delivered from (None: its task queue)."""
+    via = getattr(request, "lease_wake_queue", None)
+    return via if isinstance(via, str) else None
 
 
 def _too_large(setup: TaskSetup, refused: Refused) -> tuple[str, str]:

@@ -61,6 +61,56 @@ def test_a_waiter_without_identity_keeps_its_turn(
         assert sorted(order) == list(range(LATER + 2))
 
 
+BACKLOG = 100  # plain tasks of 0.3 s queued behind the waiters: about 5 s for two workers
+
+
+@pytest.mark.parametrize("route", ["wake queue", "own"])
+def test_a_polling_waiter_keeps_its_turn_behind_a_backlog(
+    it_app, start_worker, store_env, events, queue, coord, route
+):
+    """Listed waiters' wakes skip a backlog of their task queue through its wake queue; a
+    polling waiter's copies went to the back of the task queue, missed the turn held for them
+    and were overtaken by the listed later arrivals (a review saw it run 4th to 9th of 9).
+    They go through the wake queue too. Negative control (``own``: through the task queue):
+    overtaken."""
+    env = {**store_env("redis"), **ENV}
+    if route == "own":
+        env["CL_POLL_ROUTE"] = "own"
+    for _ in range(2):
+        start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("l")
+    go = events.key_for("go-h")
+    results = [it_app.fifo_gate.apply_async((n, 0, go), queue=queue)]
+    events.wait(ev="enter", res=n, k=0)
+    results.append(it_app.fifo_hold_backoff.apply_async((n, 1, 0.1), queue=queue))
+    events.wait(ev="retry", task=results[-1].id)
+    for k in range(2, LATER + 2):
+        results.append(it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue))
+        events.wait(ev="retry", task=results[-1].id)
+    backlog = [
+        it_app.plain_step.apply_async((f"{n}-b", k, 0.3), queue=queue) for k in range(BACKLOG)
+    ]
+    # The polling waiter comes back every 50 ms or so: once it was refused again after the
+    # backlog was queued, its next copy is behind the backlog (or in the wake queue). (Its
+    # first refusal stored RETRY; each later poll ends IGNORED: "requeued".)
+    polls = len(events.where(ev="requeued", task=results[1].id))
+    wait_for(
+        lambda: len(events.where(ev="requeued", task=results[1].id)) > polls,
+        10,
+        "the polling waiter to come back after the backlog was queued",
+    )
+    coord.rpush(go, 1)  # H releases while the backlog is queued
+    wait_for(lambda: all(r.state == "SUCCESS" for r in results), 120, "every waiter to succeed")
+    order = _entered(events, n)
+    if route == "own":
+        assert order.index(1) > 1, f"the polling waiter ran at {order.index(1)} of {order}"
+    else:
+        assert order[:2] == [0, 1], f"bodies ran {order}: the polling waiter was overtaken"
+    assert sorted(order) == list(range(LATER + 2))
+    for result in backlog:
+        result.forget()
+
+
 def test_a_waiter_whose_message_is_too_big_keeps_its_turn(
     it_app, start_worker, store_env, events, queue
 ):

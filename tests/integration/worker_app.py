@@ -786,6 +786,14 @@ if env.get("CL_EARLY_RETRY") == "off":
     _early_waiting.EARLY_RETRY_DELAYS = ()
 
 
+if env.get("CL_POLL_ROUTE") == "own":
+    # Negative control of test_handoff_line.py: a polling waiter's copies go through its task
+    # queue (behind its backlog), not through the wake queue.
+    from celery_lease import _waiting as _poll_waiting
+
+    _poll_waiting.POLL_VIA_WAKE_QUEUE = False
+
+
 if env.get("CL_EARLY_RETRY_ROUTE") == "own":
     # Negative control of test_handoff_early_wake.py: a refused early copy is sent again on
     # its task queue, behind that queue's backlog, instead of through the wake queue.
