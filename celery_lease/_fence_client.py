@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._errors import InvalidFenceTokenError, LeaseConfigError, LeaseError, StaleFenceError
 from ._interrupt import raise_if_interrupted
 from ._lease import CURRENT_LEASE, Lease
 from ._names import MAX_FENCE, mask_url, show_value
 
-if TYPE_CHECKING:
-    from .fencing import FenceSigner
+
+class TokenSigner(Protocol):
+    """What the helpers ask of a signer: ``celery_lease.FenceSigner`` (defined with the gates
+    that verify its tokens, above this module)."""
+
+    def sign(self, resource: str, fence: int, *, expires_in: float | None = None) -> str: ...
+
 
 __all__ = [
     "DEFAULT_TOKEN_LIFETIME",
@@ -92,7 +97,7 @@ def _lifetime(expires_in: object, *, ended_ok: bool = False) -> float | None:
 def fencing_headers(
     lease: Lease | None = None,
     *,
-    signer: FenceSigner | None = None,
+    signer: TokenSigner | None = None,
     expires_in: float | None = None,
 ) -> dict[str, str]:
     """Headers a client sends with a fenced call: ``{"Fencing-Token": ...}``.
@@ -125,7 +130,7 @@ def fencing_headers(
 def _prepare(
     helper: str,
     lease: Lease | None,
-    signer: FenceSigner | None,
+    signer: TokenSigner | None,
     expires_in: float | None,
     headers: Mapping[str, str] | None,
 ) -> tuple[Lease, dict[str, str]]:
@@ -144,7 +149,7 @@ def fenced_request(
     url: str,
     *,
     lease: Lease | None = None,
-    signer: FenceSigner | None = None,
+    signer: TokenSigner | None = None,
     expires_in: float | None = DEFAULT_TOKEN_LIFETIME,
     headers: Mapping[str, str] | None = None,
     **kwargs: Any,
@@ -206,7 +211,7 @@ async def fenced_request_async(
     url: str,
     *,
     lease: Lease | None = None,
-    signer: FenceSigner | None = None,
+    signer: TokenSigner | None = None,
     expires_in: float | None = DEFAULT_TOKEN_LIFETIME,
     headers: Mapping[str, str] | None = None,
     **kwargs: Any,
