@@ -58,7 +58,10 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     fewer than ``POLL_PLACES * wait_cap`` places in all; ``LeaseBusyError.polling`` says so. A
     polling place re-armed with a message that fits the bytes bound takes it. A new place joins
     behind every place whose ``since`` is not later than its own: the claim's ``since=`` (when
-    its message was published, ``order="publish"``; never later than now), else now.
+    its message was published, ``order="publish"``, by the publisher's clock; one more than
+    ``since_skew`` seconds ahead of the store's clock counts as that far ahead, ``SINCE_SKEW``),
+    else now. ``since`` only orders the list: a place's lapse, wake and hold run on the store's
+    clock whatever it says.
 13. While the resource has no live lease it is held for the waiter woken less than
     ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
     woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a
@@ -114,7 +117,7 @@ from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
-from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
+from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, SINCE_SKEW
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -125,6 +128,7 @@ __all__ = [
     "POLL_PLACES",
     "REARM_GROWTH",
     "RECENT_EFFECTS",
+    "SINCE_SKEW",
     "BaseLeaseStore",
     "DueWake",
     "EffectRecord",
@@ -226,7 +230,9 @@ class Waiter:
 
     position: int  # 1 = the next to run
     identity: str
-    since: datetime  # its first refused claim, store clock
+    #: its first refused claim, store clock; or when its message was published
+    #: (order="publish"), which may lie up to SINCE_SKEW ahead of the store clock
+    since: datetime
     expires_at: datetime  # when its place lapses unless it claims again
     woken: bool  # woken less than the grace ago, not claimed yet (see 13 for whom it holds)
 
@@ -658,6 +664,9 @@ class BaseLeaseStore:
         self.wait_bytes_cap = DEFAULT_WAIT_BYTES_CAP
         #: Seconds the free resource is held for a woken head waiter (see invariant 13).
         self.handoff_grace = DEFAULT_HANDOFF_GRACE
+        #: Seconds a claim's ``since=`` may lie ahead of the store's clock and still place it as
+        #: it is (a publisher's clock a little fast); a later one counts as this far ahead.
+        self.since_skew = SINCE_SKEW
 
     #: Whether ``acquire(..., early_wake=True)`` sets ``Lease.next_wake`` (invariant 15).
     supports_early_wake = False
@@ -680,6 +689,11 @@ class BaseLeaseStore:
     def _retention_us(self) -> int:
         """``retention`` in microseconds, as the stores' records count it."""
         return round(self.retention * 1e6)
+
+    @property
+    def _since_skew_us(self) -> int:
+        """``since_skew`` in microseconds: a place's ``since`` is at most now plus this."""
+        return max(0, round(self.since_skew * 1e6))
 
     @staticmethod
     def _identity_args(identity: str | None) -> str | None:

@@ -206,8 +206,9 @@ class MemoryLeaseStore(BaseLeaseStore):
             payload = POLL  # no room for its message: a polling place
         if len(waits) >= POLL_PLACES * self.wait_cap:
             return 0
-        # behind every place not listed later than it (its publish time, else now)
-        at = min(now, since) if since is not None else now
+        # behind every place not listed later than it (its publish time, at most since_skew
+        # ahead of now: a publisher's clock a little fast keeps its order; else now)
+        at = min(now + self._since_skew_us, since) if since is not None else now
         place = len(waits)
         while place and waits[place - 1][1] > at:
             place -= 1

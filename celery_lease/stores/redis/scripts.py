@@ -282,6 +282,7 @@ ACQUIRE = (
 -- claim took it off the list (its waits count may be newer than this copy's), or ''
 -- ARGV[15] the name of the claimant's place when it has no identity ('': its identity)
 -- ARGV[16] when its message was published (us), to be placed by it, or '' (placed by now)
+-- ARGV[17] how far (us) ARGV[16] may lie ahead of now: a later one counts as that far ahead
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
@@ -454,9 +455,12 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
     if messages >= cap or bytes > tonumber(ARGV[11]) then payload = POLL end
   end
   if payload == POLL then polling = 1 end
-  -- behind every place not listed later than it (its publish time, else now)
+  -- behind every place not listed later than it (its publish time, at most ARGV[17] ahead of
+  -- now: a publisher's clock a little fast keeps its order; else now)
   local at = now
-  if ARGV[16] ~= '' and tonumber(ARGV[16]) < now then at = tonumber(ARGV[16]) end
+  if ARGV[16] ~= '' then
+    at = math.min(tonumber(ARGV[16]), now + tonumber(ARGV[17]))
+  end
   local pos = #wl + 1
   while pos > 1 and tonumber(wl[pos - 1][2]) > at do pos = pos - 1 end
   table.insert(wl, pos, {pname, fmt(at), until_, '0', ARGV[12], ''})
