@@ -98,7 +98,10 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     sent again once (its message may never have left; it keeps its place, 13, and is not
     marked woken again), and the first waiter never woken (or re-armed) is woken as a release
     wakes it. The payloads come back, oldest place first, for the caller to send. A waiter
-    woken or re-armed afterwards may be sent again after its next missed grace.
+    woken or re-armed afterwards may be sent again after its next missed grace. Without names,
+    the resources are taken by when their lists lapse, and only those with a live place and no
+    live lease count against ``limit`` (a wake in flight counts: its list is read to know);
+    Redis counts per shard and reads past at most ``WAKE_DUE_SKIP`` held ones per shard.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
-from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, SINCE_SKEW
+from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, SINCE_SKEW, WAKE_DUE_SKIP
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -129,6 +132,7 @@ __all__ = [
     "REARM_GROWTH",
     "RECENT_EFFECTS",
     "SINCE_SKEW",
+    "WAKE_DUE_SKIP",
     "BaseLeaseStore",
     "DueWake",
     "EffectRecord",
@@ -262,7 +266,8 @@ def rearm_fits(old: int, new: int, after: int, count: int, bytes_cap: int) -> bo
     return new <= old or after <= bytes_cap
 
 
-#: Default number of resources one ``wake_due`` call looks at (per Redis shard).
+#: Default number of resources one ``wake_due`` call passes the turn on at (per Redis shard;
+#: held ones do not count).
 DEFAULT_WAKE_DUE_LIMIT = 1000
 
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
@@ -481,8 +486,10 @@ class LeaseStore(Protocol):
         """Pass the turn on where nobody else will (invariant 16); the wakes to send.
 
         ``resources``: only these (a release's follow-up, an eviction); None: every resource
-        with a wait list, up to ``limit`` of them (a worker's periodic pass; the cost follows
-        the resources with waiters, found through the wait lists' index, never the leases).
+        with a wait list, up to ``limit`` of them that have a live place and no live lease, by
+        when their lists lapse (a worker's periodic pass; the cost follows the resources with
+        waiters, found through the wait lists' index, never the leases; Redis: ``limit`` per
+        shard, reading past at most ``WAKE_DUE_SKIP`` held resources per shard).
 
         Raises:
             LeaseConfigError: a bad resource name or limit.

@@ -1,4 +1,5 @@
-"""Publish order under a skewed publisher clock (invariant 12 of base.py), over every store.
+"""Publish order under a skewed publisher clock, and which resources ``wake_due`` counts against
+its limit (invariants 12 and 16 of base.py), over every store.
 
 Every store: memory, Redis, Redis Cluster, SQLite, and PostgreSQL with and without its
 wait-list functions (the one-statement forms). The stores read their own clock; the tests stamp
@@ -7,13 +8,14 @@ publish times from this host's clock, which is the servers' clock too (they run 
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 import pytest
 
 from celery_lease import LeaseBusyError, Owner
-from celery_lease.stores._bounds import SINCE_SKEW
+from celery_lease.stores._bounds import SINCE_SKEW, WAKE_DUE_SKIP
 from tests.conftest import make_store
 from tests.tooling.servers import wait_for
 
@@ -145,3 +147,88 @@ class TestPublishTimeAhead:
         wait_for(lambda: every.get(dead).expires_in <= 0, 5, "the holder's lease to run out")
         woken = every.wake_due(resources=[dead])
         assert [(d.payload, d.again) for d in woken] == [("payload-a", False)]
+
+
+def beside(store: Any, resource: str, prefix: str) -> str:
+    """A resource name in ``resource``'s Redis shard (a store without shards: the first), so
+    that Redis's per-shard limit is the limit over both."""
+    shard_of = getattr(store, "shard_of", None)
+    for k in itertools.count():
+        name = f"{prefix}{k}"
+        if shard_of is None or shard_of(name) == shard_of(resource):
+            return name
+    raise AssertionError("unreachable")
+
+
+def free_with_waiter(store: Any, resource: str, who: str, wait_ttl: float) -> None:
+    """``resource`` with a holder that died (its lease ran out) and ``who`` waiting."""
+    claim(store, resource, "dead", ttl=0.3)
+    listed(store, resource, who, wait_ttl=wait_ttl)
+    wait_for(lambda: store.get(resource).expires_in <= 0, 5, "the holder's lease to run out")
+
+
+class TestWakeDueLimit:
+    """Invariant 16: ``wake_due(limit=n)`` passes the turn on at the first ``n`` resources that
+    could take it (a wait list with a live place, no live lease), by when their lists lapse."""
+
+    def test_a_held_resource_does_not_count_against_the_limit(self, every, names):
+        """The reviewer's case (F8): 'a-held' is held, its waiter's place lapses first;
+        'b-free' lost its holder and has a waiter listed later. Before, memory and Redis
+        counted a-held against the limit, then skipped it: nothing was woken."""
+        held = names + "a-held"
+        free = beside(every, held, names + "b-free")
+        claim(every, held, "h")
+        listed(every, held, "wa", wait_ttl=100)
+        free_with_waiter(every, free, "wb", wait_ttl=200)
+        due = every.wake_due(limit=1)
+        assert [(d.resource, d.payload, d.again) for d in due] == [(free, "payload-wb", False)]
+        assert every.waiters(held)[0].woken is False  # (its holder's release wakes it)
+
+    def test_a_list_whose_places_all_lapsed_does_not_count_against_the_limit(self, every, names):
+        """A free resource whose every place lapsed (not swept yet) has nobody to wake: it
+        lapses first, so it came first. Before, SQL kept counting it on every pass until the
+        sweep; memory and Redis counted it once."""
+        gone = names + "a-gone"
+        free = beside(every, gone, names + "b-free")
+        free_with_waiter(every, gone, "wa", wait_ttl=0.3)
+        free_with_waiter(every, free, "wb", wait_ttl=200)
+        wait_for(lambda: every.waiters(gone) == [], 5, "the place to lapse")
+        due = every.wake_due(limit=1)
+        assert [(d.resource, d.payload) for d in due] == [(free, "payload-wb")]
+
+    def test_the_limit_counts_the_free_resources_in_order_of_their_lists_lapse(self, every, names):
+        """Three held and three free resources, interleaved: limit 2 wakes the first two free
+        ones. A free resource whose wake is in flight still counts (the pass reads its list to
+        know), so limit 3 then wakes the third."""
+        first = names + "r0"
+        rs = [first, *(beside(every, first, f"{names}r{k}-") for k in range(1, 6))]
+        for k, r in enumerate(rs):
+            if k % 2:
+                free_with_waiter(every, r, f"w{k}", wait_ttl=100 + k)
+            else:
+                claim(every, r, "h")
+                listed(every, r, f"w{k}", wait_ttl=100 + k)
+        assert [d.resource for d in every.wake_due(limit=2)] == [rs[1], rs[3]]
+        assert every.wake_due(limit=2) == []
+        assert [d.resource for d in every.wake_due(limit=3)] == [rs[5]]
+
+
+class TestRedisWakeDueBound:
+    def test_a_pass_reads_past_at_most_the_bound_of_held_resources(self, request, tmp_path, names):
+        """Redis reads a shard's list index in Lua: it skips at most ``WAKE_DUE_SKIP`` held
+        resources per shard and call (the cost of a call stays bounded), so a free resource
+        behind more of them waits for its waiters' own copies, or a pass once fewer are held."""
+        store = make_store("redis", request, tmp_path, shards=1)
+        request.addfinalizer(store.close)
+        for k in range(WAKE_DUE_SKIP):
+            claim(store, f"{names}h{k}", "h")
+            listed(store, f"{names}h{k}", "w", wait_ttl=100)
+        free = names + "free"
+        free_with_waiter(store, free, "wb", wait_ttl=200)
+        assert [d.resource for d in store.wake_due(limit=1)] == [free]
+        store.release(claim(store, free, "wb"))  # (it claims: the list is gone)
+        free_with_waiter(store, free, "wc", wait_ttl=200)
+        claim(store, names + "one-more", "h")
+        listed(store, names + "one-more", "w", wait_ttl=100)
+        assert store.wake_due(limit=1) == []  # past the bound
+        assert [d.resource for d in store.wake_due(resources=[free])] == [free]
