@@ -76,6 +76,10 @@ if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
     _store_base.DEFAULT_HANDOFF_GRACE = float(
         env.get("CL_HANDOFF_GRACE") or _store_base.DEFAULT_HANDOFF_GRACE
     )
+if env.get("CL_SINCE_SKEW"):  # the negative control of the tolerance for publish times ahead
+    from celery_lease.stores import base as _store_base
+
+    _store_base.SINCE_SKEW = float(env["CL_SINCE_SKEW"])
 if env.get("CL_HANDOFF_MAX_PAYLOAD"):
     app.conf.lease_handoff_max_payload = int(env["CL_HANDOFF_MAX_PAYLOAD"])
 if env.get("CL_POLLING") == "0":  # the negative control of the polling places

@@ -61,7 +61,7 @@ as long as the server clock does not step back.
 
 from __future__ import annotations
 
-from .._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
+from .._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, WAKE_DUE_SKIP
 
 # Lua building blocks; each script includes only what it uses (every line costs server time).
 _NOW = """
@@ -282,6 +282,7 @@ ACQUIRE = (
 -- claim took it off the list (its waits count may be newer than this copy's), or ''
 -- ARGV[15] the name of the claimant's place when it has no identity ('': its identity)
 -- ARGV[16] when its message was published (us), to be placed by it, or '' (placed by now)
+-- ARGV[17] how far (us) ARGV[16] may lie ahead of now: a later one counts as that far ahead
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
@@ -454,9 +455,12 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
     if messages >= cap or bytes > tonumber(ARGV[11]) then payload = POLL end
   end
   if payload == POLL then polling = 1 end
-  -- behind every place not listed later than it (its publish time, else now)
+  -- behind every place not listed later than it (its publish time, at most ARGV[17] ahead of
+  -- now: a publisher's clock a little fast keeps its order; else now)
   local at = now
-  if ARGV[16] ~= '' and tonumber(ARGV[16]) < now then at = tonumber(ARGV[16]) end
+  if ARGV[16] ~= '' then
+    at = math.min(tonumber(ARGV[16]), now + tonumber(ARGV[17]))
+  end
   local pos = #wl + 1
   while pos > 1 and tonumber(wl[pos - 1][2]) > at do pos = pos - 1 end
   table.insert(wl, pos, {pname, fmt(at), until_, '0', ARGV[12], ''})
@@ -743,9 +747,10 @@ WAKE_DUE = (
     """
 -- KEYS[4s-3] leases hash, KEYS[4s-2] waits hash, KEYS[4s-1] wpay hash and KEYS[4s] waits_exp
 -- zset of shard s, for every shard to look at
--- ARGV[1] hand-off grace (us), ARGV[2] the most resources to look at per shard, ARGV[3..] the
--- resources to look at (one shard's keys only; none: each shard's wait lists, by when their
--- last place lapses)
+-- ARGV[1] hand-off grace (us), ARGV[2] the most resources to pass over per shard, ARGV[3..]
+-- the resources to look at (one shard's keys only; none: each shard's wait lists by when their
+-- last place lapses, counting only those with a live place and no live lease, reading past at
+-- most WAKE_DUE_SKIP held ones)
 -- passes the turn on (invariant 16): on each resource with a wait list, no live lease and no
 -- wake in flight, every missed wake not sent again yet is marked and returned once more, and
 -- the first waiter never woken is woken, as a release wakes it
@@ -754,6 +759,42 @@ WAKE_DUE = (
     + _NOW
     + _PARSE
     + _WAITS
+    + f"""
+local WAKE_DUE_SKIP = {WAKE_DUE_SKIP}
+"""
+    + """
+-- The first `limit` resources of a shard by when their lists lapse (the index's score: the
+-- latest lapse of a line in the list; past now, some place is live) that have no live lease:
+-- a held one does not count (its holder's release wakes its next waiter). The index is read
+-- in batches, the lease of each name in one HMGET; past WAKE_DUE_SKIP held ones the shard's
+-- reading ends (it bounds a call's cost: see _bounds.py).
+local function due_names(leases, wexp, limit)
+  local names, skipped, offset = {}, 0, 0
+  local after = '(' .. fmt(now)
+  while true do
+    local want = math.min(256, limit - #names + WAKE_DUE_SKIP - skipped)
+    local batch = redis.call('ZRANGEBYSCORE', wexp, after, '+inf', 'LIMIT', offset, want)
+    if #batch == 0 then return names end
+    offset = offset + #batch
+    local records = redis.call('HMGET', leases, unpack(batch))
+    for j, res in ipairs(batch) do
+      local live = false
+      if records[j] then
+        local _, _, _, e = parse(records[j])
+        live = tonumber(e) > now
+      end
+      if not live then
+        names[#names + 1] = res
+        if #names >= limit then return names end
+      else
+        skipped = skipped + 1
+        if skipped > WAKE_DUE_SKIP then return names end
+      end
+    end
+    if #batch < want then return names end
+  end
+end
+"""
     + """
 local grace = tonumber(ARGV[1])
 local out = {}
@@ -807,7 +848,7 @@ for s = 1, #KEYS / 4 do
   if #ARGV > 2 then
     names = {unpack(ARGV, 3)}
   else
-    names = redis.call('ZRANGE', KEYS[k + 4], 0, tonumber(ARGV[2]) - 1)
+    names = due_names(KEYS[k + 1], KEYS[k + 4], tonumber(ARGV[2]))
   end
   for _, res in ipairs(names) do pass(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], res) end
 end

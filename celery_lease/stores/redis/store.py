@@ -287,6 +287,7 @@ class RedisLeaseStore(BaseLeaseStore):
             "1" if own_wake else "",
             name if name is not None and name != identity else "",
             "" if since is None else since,
+            self._since_skew_us,
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):

@@ -290,6 +290,7 @@ class SQLLeaseStore(BaseLeaseStore):
             "ow": own_wake,
             "pn": name,
             "since": since,
+            "skew": self._since_skew_us,
         }
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:
