@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import _pid  # noqa: F401 - first: its fork hook runs before the others
 from ._app import install
 from ._errors import (
+    AlreadyQueuedError,
     EffectUnresolvedError,
     IdentityDoneError,
     InvalidFenceTokenError,
@@ -18,6 +19,7 @@ from ._errors import (
 from ._interrupt import LeaseInterrupt, shielded
 from ._lease import Lease, LeaseInfo, Owner
 from ._ledger import REDO, Effect
+from ._names import key_of
 from ._release import force_release, release_lease
 from ._sweeper import (
     ExpiredLease,
@@ -36,6 +38,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "REDO",
+    "AlreadyQueuedError",
     "Effect",
     "EffectUnresolvedError",
     "ExpiredLease",
@@ -59,6 +62,7 @@ __all__ = [
     "current_lease",
     "force_release",
     "install",
+    "key_of",
     "lease_cleanup_failed",
     "lease_task",
     "on_expired",

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
-from . import _clock, _copies, _execution, _outcomes, _waiting, metrics
+from . import _clock, _copies, _execution, _outcomes, _unique, _waiting, metrics
 from . import _events as events
 from . import _failpoints as failpoints
 from . import _outage as outage
@@ -32,6 +32,7 @@ from ._lease import CURRENT_LEASE, Lease, Owner, identity_outcome
 from ._message import (
     POLLS_HEADER,
     PUBLISHED_HEADER,
+    UNIQUE_HEADER,
     WAITS_HEADER,
     bound_size,
     owner_label,
@@ -167,6 +168,8 @@ class Attempt:
             lease.reconcile_effect = hook
         if lease.recovered:
             _recovered(task, lease)
+        if setup.settings.unique == "until_executing" and request.get(UNIQUE_HEADER) is not None:
+            _unique.at_body(task, setup, request)  # its publish lock goes before the body
         return self._run_leased(lease, renewer)
 
     # -- the claim ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ LeaseError                  one root: ``except LeaseError`` catches everything b
 │                           store refused the connection and nothing was sent)
 ├── LeaseConfigError        bad input or settings: the message names the value and the fix
 ├── IdentityDoneError       the task identity already completed (a duplicate delivery)
+├── AlreadyQueuedError      a publish found its unique key locked by another copy (unique=)
 ├── EffectUnresolvedError   an earlier owner began an effect and nobody knows if it happened
 └── InvalidFenceTokenError  a fencing token was forged, tampered with, expired or malformed
 ```
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AlreadyQueuedError",
     "EffectUnresolvedError",
     "IdentityDoneError",
     "InvalidFenceTokenError",
@@ -311,6 +313,22 @@ class IdentityDoneError(LeaseError):
             result,
             owner_label,
         )
+
+
+class AlreadyQueuedError(LeaseError):
+    """A publish of a task with ``unique=`` (a mode locked at publish) found its unique key
+    held by another copy, and ``on_conflict="raise"``: nothing was published.
+
+    Attributes:
+        key: the unique key (the lease resource ``celery lease ls`` shows the lock under).
+        task_id: the id of the copy that holds it (None when its holder is not a task of
+            this library, e.g. a lease claimed by hand on that name).
+    """
+
+    def __init__(self, message: str = "", key: str | None = None, task_id: str | None = None):
+        super().__init__(message, key, task_id)
+        self.key = key
+        self.task_id = task_id
 
 
 class EffectUnresolvedError(LeaseError):

@@ -22,7 +22,7 @@ from ._errors import BUSY_ADVICE, LeaseBusyError, LeaseConfigError, LeaseError
 from ._eventlog import lease_log
 from ._eventlog import log as event_log
 from ._lease import Lease
-from ._message import PUBLISHED_HEADER, WAITS_HEADER, read_header
+from ._message import WAITS_HEADER, carry
 from ._wakes import ROUTE_HEADER, send_wake
 from ._wakes import to_wake_queue as _to_wake_queue
 from .stores._bounds import POLL
@@ -106,10 +106,7 @@ def requeue(
     is, see _to_wake_queue), not behind its task queue's backlog.
     """
     request = task.request
-    headers = dict(request.headers or {})
-    published = read_header(request, PUBLISHED_HEADER)
-    if published is not None:  # (order="publish": every copy keeps when it was published)
-        headers[PUBLISHED_HEADER] = published
+    headers = carry(request, dict(request.headers or {}))  # (when it was published; its lock)
     headers.pop(ROUTE_HEADER, None)  # (it goes on the route the copy was sent on)
     for header, value in updates.items():
         if value is None:

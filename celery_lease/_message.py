@@ -58,6 +58,14 @@ PUBLISHED_HEADER = "celery_lease_published_at"
 #: How many times this copy of a waiter looked again at its task's state after its claim found
 #: the identity done and the state was not final yet.
 DONE_CHECKS_HEADER = "celery_lease_done_checks"
+#: A task with ``unique=`` locked at publish: ``[key, fence, mode, expires, released]`` of the
+#: lock its publish took (expires: seconds since the epoch, the publisher's clock; released: 1
+#: once a worker gave it back at the start of the execution). See _unique.
+UNIQUE_HEADER = "celery_lease_unique"
+#: Headers every copy of one execution carries as its first message had them (Celery's
+#: ``retry()`` and ``signature_from_request()`` send only ``request.headers``, which holds none
+#: of a message's own headers).
+CARRIED_HEADERS = (PUBLISHED_HEADER, UNIQUE_HEADER)
 
 _WAITS_IN_PAYLOAD = re.compile(r'"' + WAITS_HEADER + r'": ?(\d+)')
 
@@ -78,6 +86,16 @@ def take_sent_route(request: Any) -> None:
         return
     request.delivery_info = {**delivery, "exchange": exchange, "routing_key": routing_key}
     request.lease_wake_queue = via
+
+
+def carry(request: Any, headers: dict[str, Any]) -> dict[str, Any]:
+    """Put the headers every copy of this execution keeps (``CARRIED_HEADERS``) on ``headers``
+    (a new message's), as this copy's request has them; returns ``headers``."""
+    for name in CARRIED_HEADERS:
+        value = read_header(request, name)
+        if value is not None:
+            headers[name] = value
+    return headers
 
 
 def count(value: Any) -> int:
@@ -361,9 +379,7 @@ def wake_payload(
     else:
         headers = {WAITS_HEADER: waits + 1}
     headers[LISTED_HEADER] = int(listed_at(request))  # (ten digits: a constant size)
-    published = read_header(request, PUBLISHED_HEADER)
-    if published is not None:  # (order="publish": every copy keeps when it was published)
-        headers[PUBLISHED_HEADER] = published
+    carry(request, headers)  # (order="publish": when it was published; unique=: its lock)
     options["headers"] = headers
     options["retries"] = request.retries or 0
     if request.ignore_result or task.ignore_result:

@@ -19,9 +19,12 @@ note off (:func:`parse_holder`). Labels written before the note existed are read
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import unquote
 
 from ._errors import LeaseConfigError
@@ -34,6 +37,7 @@ __all__ = [
     "RESOURCE_RULE",
     "clean_label",
     "holder_task_id",
+    "key_of",
     "label_task_id",
     "parse_holder",
     "show_value",
@@ -56,8 +60,28 @@ _RESOURCE_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
 RESOURCE_PATTERN = _RESOURCE_RE
 #: A task identity follows the resource-name rule; this is how messages state it.
 IDENTITY_RULE = "1..200 of A-Z a-z 0-9 _ . : / -"
+_VALID_START = re.compile(r"[A-Za-z0-9_.:/\-]*")
 _LABEL_BAD = re.compile(r"[^\x21-\x7e ]")
 _IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
+def key_of(*args: Any, **kwargs: Any) -> str:
+    """A valid resource, identity or unique-key name made of any arguments.
+
+    ``key_of(42, "de")`` is ``"42:de"`` and ``key_of(user=7)`` ``"user.7"``: the arguments
+    written out and joined by ``:``, when that is a valid name (1..200 of ``A-Z a-z 0-9 _ . :
+    / -``). Anything else (spaces, other characters, a long text, a dict) gives the valid
+    start of that and a digest of all the arguments: ``"Hello.3f2a..."`` (32 hex digits), the
+    same for the same arguments in any process. As a callable ``unique_key=key_of`` it keys
+    a task's copies by all their arguments, as celery-once and celery-singleton do.
+    """
+    readable = ":".join([*map(str, args), *(f"{k}.{v}" for k, v in sorted(kwargs.items()))])
+    if _RESOURCE_RE.fullmatch(readable):
+        return readable
+    exact = json.dumps([list(args), sorted(kwargs.items())], sort_keys=True, default=repr)
+    digest = hashlib.sha256(exact.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    start = _VALID_START.match(readable[:120])
+    return f"{start.group(0)}.{digest}" if start and start.group(0) else digest
 
 
 def show_value(value: object, limit: int = 60) -> str:

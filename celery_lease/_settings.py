@@ -29,6 +29,17 @@ __all__ = [
 ]
 
 ON_BUSY = ("retry", "skip", "fail")
+#: When a task's copies are kept unique (issue 28; the words of sidekiq-unique-jobs): only
+#: while the body runs (the run's lease on its resource, always there), or also from publish.
+UNIQUE_MODES = (
+    "while_executing",
+    "until_executing",
+    "until_executed",
+    "until_and_while_executing",
+    "until_expired",
+)
+#: What a publish does when the unique key is held by another copy.
+ON_CONFLICT = ("raise", "return_existing", "skip", "replace")
 #: The orders waiters on one resource may run in: as they arrive at the store, or as their
 #: messages were published (issue 33, item 6).
 ORDERS = ("arrival", "publish")
@@ -99,6 +110,9 @@ class LeaseSettings:
     handoff_early_wake: bool = True
     order: str = "arrival"
     retention: float = DEFAULT_RETENTION
+    unique: str = "while_executing"
+    unique_ttl: float = 3600.0
+    on_conflict: str = "raise"
 
     def __repr__(self) -> str:
         # Settings appear in logs and tracebacks: never with the store URL's password or a
@@ -171,6 +185,7 @@ class LeaseSettings:
             "lost_retry_delay",
             "retention",
             "store_down_max_wait",
+            "unique_ttl",
         ):
             if name in values:
                 values[name] = _positive(name, values[name])
@@ -215,6 +230,18 @@ class LeaseSettings:
                 f"lease_order={show_value(values['order'])} must be one of "
                 f"{', '.join(map(repr, ORDERS))} (publish: waiters on one resource run in the "
                 "order their messages were published)"
+            )
+        if values.get("unique", "while_executing") not in UNIQUE_MODES:
+            raise LeaseConfigError(
+                f"lease_unique={show_value(values['unique'])} must be one of "
+                f"{', '.join(map(repr, UNIQUE_MODES))} (while_executing: a lease while the body "
+                "runs, the default; until_*: a lock taken when the task is published)"
+            )
+        if values.get("on_conflict", "raise") not in ON_CONFLICT:
+            raise LeaseConfigError(
+                f"lease_on_conflict={show_value(values['on_conflict'])} must be one of "
+                f"{', '.join(map(repr, ON_CONFLICT))} (what a publish does when its unique key "
+                "is held by another copy)"
             )
         if values.get("on_busy", "retry") not in ON_BUSY:
             raise LeaseConfigError(
@@ -408,4 +435,12 @@ SETTINGS_DOC = {
     "waiter's wake message while its release's reply is on the way instead of after it, so the "
     "release's round trip overlaps the wake's trip through the broker (True)",
     "retention": "seconds identity, ledger and checkpoint records are kept (604800 = 7 days)",
+    "unique": "when copies of the task are kept unique: while_executing (a lease while the "
+    "body runs), until_executing, until_executed, until_and_while_executing or until_expired "
+    "(a lock on the unique key from publish) (while_executing)",
+    "unique_ttl": "seconds a publish lock lives without being released (a countdown or eta "
+    "adds its delay); no lock outlives it (3600)",
+    "on_conflict": "what a publish does when its unique key is held by another copy: raise "
+    "(AlreadyQueuedError) | return_existing (its AsyncResult) | skip (None) | replace (revoke "
+    "a copy that has not started) (raise)",
 }

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 class TaskSetup:
     """What a lease task works out once per process (and again after a fork).
 
-    Holds the task's ``app`` and resolved ``settings``; the ``resource`` and ``identity``
-    templates (:class:`NameTemplate`, or None); its ``gates`` (:class:`Gates`, or None);
+    Holds the task's ``app`` and resolved ``settings``; the ``resource``, ``identity`` and
+    ``unique_key`` templates (:class:`NameTemplate`, or None); its ``gates`` (:class:`Gates`,
+    or None);
     ``dedup`` (whether calls carry an identity); the ``store`` (made at the first claim, see
     :meth:`current_store`); ``cap`` (the longest busy wait, see :meth:`busy_cap`); and the
     ``pid`` and settings ``generation`` it was made in (see :func:`forget_resolved_settings`).
@@ -48,6 +49,7 @@ class TaskSetup:
         "resource",
         "settings",
         "store",
+        "unique_key",
         "wait_ttls",
         "wake_queues",
     )
@@ -82,6 +84,12 @@ class TaskSetup:
         )
         gates = raw_attr(task, "lease_gates")
         self.gates = Gates(gates, signature, task.name) if gates else None
+        unique_key = raw_attr(task, "lease_unique_key")
+        self.unique_key = (
+            None
+            if unique_key is None
+            else NameTemplate(unique_key, signature, "unique_key", task.name)
+        )
 
     def current_store(self) -> LeaseStore:
         """The store this call claims in: a test's override, else the app's (made once)."""

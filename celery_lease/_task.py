@@ -29,14 +29,14 @@ from typing import Any, TypeVar
 
 from celery import Task, shared_task
 
-from . import _clock
+from . import _clock, _unique
 from . import _events as events
 from ._app import install, register_task_type
 from ._attempt import Attempt
 from ._errors import LeaseConfigError, LeaseError
 from ._gates import GatesSpec, check_gates
 from ._lease import CURRENT_LEASE, Lease
-from ._message import PUBLISHED_HEADER, read_header, take_sent_route
+from ._message import PUBLISHED_HEADER, UNIQUE_HEADER, read_header, take_sent_route
 from ._names import IDENTITY_RULE, did_you_mean, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._pid import getpid
@@ -80,6 +80,7 @@ CELERY_DECORATOR_OPTIONS = frozenset(
 LEASE_TASK_KEYWORDS = (
     "resource",
     "identity",
+    "unique_key",
     "gates",
     "reconcile",
     "reconcile_effect",
@@ -147,6 +148,13 @@ class LeaseTask(Task):  # type: ignore[misc]
     lease_handoff_early_wake: bool | None = None
     lease_order: str | None = None
     lease_retention: float | None = None
+    lease_unique: str | None = None
+    lease_unique_ttl: float | None = None
+    lease_on_conflict: str | None = None
+    #: The key a publish lock (``unique=`` but ``"while_executing"``) is taken on: a template
+    #: or callable over the arguments, like ``lease_resource``; None: the task's name and
+    #: resource.
+    lease_unique_key: str | Callable[..., str] | None = None
 
     _lease_settings_cache: tuple[int, LeaseSettings] | None = None  # (Resolved.generation, ..)
     _lease_compiled: TaskSetup | None = None
@@ -165,7 +173,7 @@ class LeaseTask(Task):  # type: ignore[misc]
                     f"{cls.__qualname__}.{name}"
                     f"{did_you_mean(name, _LEASE_ATTRIBUTES)} is not a LeaseTask setting; the "
                     f"settings are {', '.join(f'lease_{n}' for n in SETTING_NAMES)}, plus "
-                    "lease_resource, lease_identity and lease_gates"
+                    "lease_resource, lease_identity, lease_unique_key and lease_gates"
                 )
 
     @classmethod
@@ -177,7 +185,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         LeaseSettings.resolve(app.conf, cls._lease_overrides())
         signature = run_signature(cls)
         if signature is not None:
-            specs = {what: raw_attr(cls, f"lease_{what}") for what in ("resource", "identity")}
+            specs = {what: raw_attr(cls, f"lease_{what}") for what in _TEMPLATES}
             check_templates(specs, signature, cls.name)
         check_gates(raw_attr(cls, "lease_gates"), signature, cls.name)
 
@@ -281,14 +289,44 @@ class LeaseTask(Task):  # type: ignore[misc]
             f"identity ({IDENTITY_RULE})"
         )
 
-    def apply_async(self, *args: Any, **options: Any) -> Any:
-        """As ``Task.apply_async``; with ``order="publish"``, the message says when it was
-        published (this process's clock), which places it in its resource's wait list."""
-        if self.lease_settings.order == "publish":
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        *more: Any,
+        **options: Any,
+    ) -> Any:
+        """As ``Task.apply_async``. With ``order="publish"``, the message says when it was
+        published (this process's clock), which places it in its resource's wait list. With
+        ``unique=`` locked at publish, the lock on its unique key is taken first (see
+        ``on_conflict`` for a key another copy holds).
+
+        Raises:
+            AlreadyQueuedError: ``on_conflict="raise"`` and another copy holds the unique key.
+            LeaseConfigError: the call's resource, identity or unique key is not a valid name.
+        """
+        settings = self.lease_settings
+        if settings.order == "publish":
             headers = options.get("headers") or {}
             if PUBLISHED_HEADER not in headers:
                 options["headers"] = {**headers, PUBLISHED_HEADER: int(_clock.wall() * 1e6)}
-        return super().apply_async(*args, **options)
+        if more or self.app.conf.task_always_eager:  # (eager: the call itself checks)
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        setup = self._compiled()
+        call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
+        # Names are checked where they are made: a bad one fails here, in the caller.
+        if settings.unique == "while_executing":
+            self._resource(setup, call_args, call_kwargs)
+        if setup.identity is not None:
+            self._checked_identity(
+                setup.identity.render(call_args, call_kwargs), "the identity template"
+            )
+        if settings.unique == "while_executing":
+            return super().apply_async(args, kwargs, task_id, **options)
+        return _unique.publish(
+            self, setup, super().apply_async, call_args, call_kwargs, task_id, options
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -298,7 +336,16 @@ class LeaseTask(Task):  # type: ignore[misc]
         direct = bool(request.called_directly)
         if direct and setup.settings.allow_direct_call:
             return super().__call__(*args, **kwargs)
+        if not direct and request.get(UNIQUE_HEADER) is not None:
+            _unique.at_start(self, setup, request)
         return Attempt(self, setup, request, args, kwargs, direct).run()
+
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        """Celery's hook after a SUCCESS or FAILURE: an ``until_executed`` lock is given back
+        (call ``super().after_return(...)`` when you override it)."""
+        if self.request.get(UNIQUE_HEADER) is not None:
+            _unique.finished(self, self.request)
+        super().after_return(*args, **kwargs)
 
     def reconcile(self, lease: Lease) -> None:
         """Called before the body when an earlier owner of this work did not finish.
@@ -319,12 +366,15 @@ class LeaseTask(Task):  # type: ignore[misc]
 
 
 _LEASE_ATTRIBUTES = frozenset(name for name in dir(LeaseTask) if name.startswith("lease_"))
+#: The names a task works out from its arguments (templates or callables).
+_TEMPLATES = ("resource", "identity", "unique_key")
 
 
 def lease_task(
     *args: Any,
     resource: str | Callable[..., str] | None = None,
     identity: str | Callable[..., str] | bool | None = None,
+    unique_key: str | Callable[..., str] | None = None,
     gates: GatesSpec | None = None,
     reconcile: Callable[[Lease], None] | None = None,
     reconcile_effect: Callable[[str, Lease], Any] | None = None,
@@ -349,6 +399,10 @@ def lease_task(
         identity: the execution's identity for dedup and the effect ledger: a template or
             callable like ``resource``; default: the message's ``idempotency_key`` header, else
             the task id; ``False`` turns dedup off for this task.
+        unique_key: with ``unique=`` locked at publish (``"until_executed"``, ...), the key a
+            copy's lock is taken on: a template or callable like ``resource`` (build one from
+            any arguments with ``celery_lease.key_of``); default: the task's name and its
+            resource. See also ``unique``, ``unique_ttl`` and ``on_conflict`` (settings).
         gates: fence gates that admit each new fence right after the claim, before
             ``reconcile`` and the body, so an older owner's late write is refused there from
             the claim on, not only from the new owner's first write: gates that do not share
@@ -386,6 +440,12 @@ def lease_task(
                 f"{show_value(identity)}"
             )
         attrs["lease_identity"] = staticmethod(identity) if callable(identity) else identity
+    if unique_key is not None:
+        if not (isinstance(unique_key, str) or callable(unique_key)):
+            raise LeaseConfigError(
+                f"unique_key must be a template string or a callable, got {show_value(unique_key)}"
+            )
+        attrs["lease_unique_key"] = staticmethod(unique_key) if callable(unique_key) else unique_key
     for hook_name, hook in (("reconcile", reconcile), ("reconcile_effect", reconcile_effect)):
         if hook is not None:
             if not callable(hook):
@@ -417,12 +477,11 @@ def lease_task(
             raise LeaseConfigError(
                 f"@lease_task got an unknown keyword {name!r}{did_you_mean(name, candidates)}; "
                 f"it takes the lease settings ({', '.join(SETTING_NAMES)}), resource, identity, "
-                "gates, reconcile, reconcile_effect, app, base and Celery's task options; a task "
-                "attribute of your own goes on a LeaseTask subclass passed as base="
+                "unique_key, gates, reconcile, reconcile_effect, app, base and Celery's task "
+                "options; a task attribute of your own goes on a LeaseTask subclass passed as base="
             )
     specs = {
-        what: attrs.get(f"lease_{what}", raw_attr(base, f"lease_{what}"))
-        for what in ("resource", "identity")
+        what: attrs.get(f"lease_{what}", raw_attr(base, f"lease_{what}")) for what in _TEMPLATES
     }
     if app is not None:
         # Now, at import: a worker parses its command line (the --lease-* options) before the

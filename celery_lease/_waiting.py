@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore
 
-from . import _copies, _execution
+from . import _copies, _execution, _unique
 from . import _events as events
 from ._app import wake_queue_for
 from ._errors import BUSY_ADVICE, LeaseBusyError
@@ -24,6 +24,7 @@ from ._message import (
     POLLS_HEADER,
     STORE_DOWN_HEADER,
     STORE_WAITS_HEADER,
+    UNIQUE_HEADER,
     WAITS_HEADER,
     count,
     read_header,
@@ -89,10 +90,8 @@ def lease_busy(
     # it would leave no copy if the running one dies, and failing it would store FAILURE
     # under the running task's id. on_busy is for *other* work contending for the resource.
     duplicate = busy.duplicate
-    if settings.on_busy == "fail" and not duplicate:
-        raise busy
-    if settings.on_busy == "skip" and not duplicate:
-        skip(task, busy)
+    if settings.on_busy != "retry" and not duplicate:
+        skip(task, busy, settings.on_busy)
     if busy.wake is not None:  # the resource is free for a head waiter nobody woke
         payload, busy.wake = busy.wake, None
         _execution.wake(
@@ -296,31 +295,36 @@ def _too_large(setup: TaskSetup, refused: Refused) -> tuple[str, str]:
     )
 
 
-def skip(task: Any, busy: LeaseBusyError) -> NoReturn:
-    """on_busy="skip": end FAILURE with a LeaseBusyError that says why, without running.
+def skip(task: Any, busy: LeaseBusyError, how: str = "skip") -> NoReturn:
+    """on_busy="skip" or "fail": end FAILURE with a LeaseBusyError that says why, without
+    running; "skip"'s says it was skipped, "fail"'s is the refusal itself.
 
-    ``Ignore`` alone stores no state, so a caller's ``result.get()`` waited forever. The
-    reason (resource, holder) is stored through the result backend first, with the chord
-    and errbacks handled as for any failure; ``Ignore`` then keeps Celery from storing
-    over it or logging a task failure with a traceback.
+    An expected outcome, so it is told as one: one WARNING line, no traceback. ``Ignore``
+    alone stores no state, so a caller's ``result.get()`` waited forever: the reason
+    (resource, holder) is stored through the result backend first, with the chord and
+    errbacks handled as for any failure; ``Ignore`` then keeps Celery from storing over it
+    or logging a task failure with a traceback. The execution ended: a lock its publish took
+    (``unique="until_executed"``) is given back.
     """
     request = task.request
-    error = skipped(busy)
+    error = skipped(busy) if how == "skip" else busy
     _execution.log_event(
         task,
-        "skipped",
+        "skipped" if how == "skip" else "failed",
         logging.WARNING,
         busy.resource,
         busy.fence,
         busy.holder_label,
-        why="on_busy='skip'",
+        why=f"on_busy={how!r}",
     )
-    _execution.lease_event(task, "task-lease-busy", action="skip", **fields(busy))
+    _execution.lease_event(task, "task-lease-busy", action=how, **fields(busy))
     if not (task.ignore_result or getattr(request, "ignore_result", False)):
         try:
             task.backend.mark_as_failure(request.id, error, request=request)
         except Exception:
-            log.exception("task %s[%s]: storing the skip failed", task.name, request.id)
+            log.exception("task %s[%s]: storing the %s failed", task.name, request.id, how)
+    if request.get(UNIQUE_HEADER) is not None:
+        _unique.finished(task, request)
     raise Ignore(str(error))
 
 

@@ -60,7 +60,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("celery wiring", {"_app", "_wakes", "_workerlog", "fencing", "_fence_client"}),
     # A lease task's rooms, each deciding one thing (see the _task docstring), lowest first.
     ("task parts", {"_gates", "_message", "_setup"}),
-    ("task execution", {"_execution"}),
+    ("task execution", {"_execution", "_unique"}),
     ("task copies", {"_copies"}),
     ("task outcomes", {"_waiting", "_outcomes"}),
     ("task attempt", {"_attempt"}),

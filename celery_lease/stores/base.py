@@ -126,6 +126,8 @@ __all__ = [
     "DEFAULT_MAX_TTL",
     "DEFAULT_RETENTION",
     "DEFAULT_WAKE_DUE_LIMIT",
+    "LOCK_MAX_TTL",
+    "LOCK_PREFIX",
     "POLL",
     "POLL_HOLD",
     "POLL_PLACES",
@@ -176,6 +178,10 @@ def connection_refused(exc: BaseException) -> bool:
 #: Upper bound on a single claim's or renewal's ttl unless a store is given another ``max_ttl``.
 #: Long tasks keep short leases alive by renewing; a huge ttl only makes crash recovery slow.
 DEFAULT_MAX_TTL = 600.0
+#: Resources under this prefix are publish locks (``unique=``): a lock's ttl is how long a
+#: queued copy keeps its key (an hour by default), bounded by ``LOCK_MAX_TTL`` instead.
+LOCK_PREFIX = "unique:"
+LOCK_MAX_TTL = 30 * 86400.0
 MAX_LIST_LIMIT = 10_000
 MAX_SWEEP_LIMIT = 100_000
 
@@ -298,7 +304,8 @@ class LeaseStore(Protocol):
 
     #: The store's URL with any password masked; safe to log.
     url: str
-    #: The largest ttl accepted by ``acquire`` and ``renew``.
+    #: The largest ttl accepted by ``acquire`` and ``renew`` (on a publish lock, a resource
+    #: under ``LOCK_PREFIX``: ``LOCK_MAX_TTL`` when that is longer).
     max_ttl: float
 
     def acquire(
@@ -697,12 +704,19 @@ class BaseLeaseStore:
             raise LeaseConfigError(
                 f"owner must be an Owner (use Owner.new(label)), got {show_value(owner)}"
             )
-        return validate_ttl(ttl, self.max_ttl)
+        return validate_ttl(ttl, self._ttl_bound(resource))
 
     def _renew_ttl(self, lease: Lease, ttl: float | None) -> float:
         if not isinstance(lease, Lease):
             raise LeaseConfigError(f"expected a Lease from acquire(), got {show_value(lease)}")
-        return validate_ttl(lease.ttl if ttl is None else ttl, self.max_ttl)
+        return validate_ttl(lease.ttl if ttl is None else ttl, self._ttl_bound(lease.resource))
+
+    def _ttl_bound(self, resource: str) -> float:
+        """The longest ttl of a claim on ``resource``: ``max_ttl``, or for a publish lock
+        (under ``LOCK_PREFIX``) ``LOCK_MAX_TTL``, whichever is longer."""
+        if resource.startswith(LOCK_PREFIX):
+            return max(self.max_ttl, LOCK_MAX_TTL)
+        return self.max_ttl
 
     @property
     def _retention_us(self) -> int:

@@ -1113,3 +1113,76 @@ def plain_step(n: int, k: int, hold: float) -> int:
     report("enter", res=n, k=k, plain=True)
     time.sleep(hold)
     return k
+
+
+# -- unique= (tests/integration/test_unique.py) ----------------------------------------------
+def _unique_body(task: Any, n: str, go: str, fail: bool = False) -> str:
+    """Reports enter, waits for the test's ``go`` (when given), reports exit."""
+    report("enter", res=n, task=task.request.id, retries=task.request.retries)
+    deadline = time.monotonic() + 60
+    while go and not coord().blpop([go], timeout=1):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody pushed {go}")
+    report("exit", res=n, task=task.request.id)
+    if fail:
+        raise ValueError("the body failed")
+    return n
+
+
+_UNIQUE_TTL = float(env.get("CL_UNIQUE_TTL", "60"))
+
+
+@lease_task(app=app, resource="uq-{n}", bind=True, unique="until_executed", unique_ttl=_UNIQUE_TTL)
+def uq_executed(self: Any, n: str, go: str = "", fail: bool = False) -> str:
+    """unique="until_executed": the key is held from publish to the end of the execution."""
+    return _unique_body(self, n, go, fail)
+
+
+@lease_task(app=app, resource="uq-{n}", bind=True, unique="until_executing", unique_ttl=_UNIQUE_TTL)
+def uq_executing(self: Any, n: str, go: str = "", fail: bool = False) -> str:
+    """unique="until_executing": the key is held until the body starts."""
+    return _unique_body(self, n, go, fail)
+
+
+@lease_task(
+    app=app,
+    resource="uq-{n}",
+    bind=True,
+    unique="until_and_while_executing",
+    unique_ttl=_UNIQUE_TTL,
+)
+def uq_and_while(self: Any, n: str, go: str = "", fail: bool = False) -> str:
+    """unique="until_and_while_executing": the key is held until a worker starts it."""
+    return _unique_body(self, n, go, fail)
+
+
+@lease_task(app=app, resource="uq-{n}", bind=True, unique="until_expired", unique_ttl=_UNIQUE_TTL)
+def uq_expired(self: Any, n: str, go: str = "", fail: bool = False) -> str:
+    """unique="until_expired": the key is held for its ttl, whatever the execution does."""
+    return _unique_body(self, n, go, fail)
+
+
+@lease_task(
+    app=app,
+    resource="uq-{n}",
+    bind=True,
+    unique="until_executed",
+    unique_ttl=_UNIQUE_TTL,
+    max_retries=1,
+)
+def uq_retrying(self: Any, n: str, countdown: float) -> str:
+    """until_executed that retries once after ``countdown``: the key is kept across it."""
+    report("enter", res=n, task=self.request.id, retries=self.request.retries)
+    if not self.request.retries:
+        raise self.retry(countdown=countdown)
+    return n
+
+
+@lease_task(app=app, resource="uq-{n}", bind=True, on_busy="fail")
+def uq_fail_busy(self: Any, n: str, go: str = "") -> str:
+    """on_busy="fail" (its refusal is an expected outcome: quiet)."""
+    return _unique_body(self, n, go)
+if env.get("CL_UNIQUE_REVOKE") == "0":  # the negative control of a revoked copy's lock
+    from celery_lease import _unique
+
+    _unique.RELEASE_ON_REVOKE = False
