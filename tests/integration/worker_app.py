@@ -1182,6 +1182,8 @@ def uq_retrying(self: Any, n: str, countdown: float) -> str:
 def uq_fail_busy(self: Any, n: str, go: str = "") -> str:
     """on_busy="fail" (its refusal is an expected outcome: quiet)."""
     return _unique_body(self, n, go)
+
+
 if env.get("CL_UNIQUE_REVOKE") == "0":  # the negative control of a revoked copy's lock
     from celery_lease import _unique
 
