@@ -57,6 +57,12 @@ app.conf.update(
 )
 if env.get("CL_TRACK_STARTED"):
     app.conf.task_track_started = True
+if env.get("CL_ACKS_LATE") == "0":  # Celery's default: the message is acked as its run starts
+    app.conf.task_acks_late = False
+if env.get("CL_DEDUP") == "0":  # no identity records: a copy of a finished task runs again
+    app.conf.lease_dedup = False
+if env.get("CL_PREFETCH"):
+    app.conf.worker_prefetch_multiplier = int(env["CL_PREFETCH"])
 if env.get("CL_REJECT_ON_WORKER_LOST") == "0":  # Celery's default: a killed child's step fails
     app.conf.task_reject_on_worker_lost = False
 if env.get("CL_NO_BACKEND"):  # no result backend (Celery's DisabledBackend)
@@ -1073,6 +1079,7 @@ if env.get("CL_REPORT_STARTS"):
             ex=delivery.get("exchange"),
             rk=delivery.get("routing_key"),
             retries=request.retries,
+            redelivered=bool(delivery.get("redelivered")),
         )
 
 
@@ -1109,3 +1116,31 @@ def plain_step(n: int, k: int, hold: float) -> int:
     report("enter", res=n, k=k, plain=True)
     time.sleep(hold)
     return k
+
+
+@lease_task(app=app, resource="rabbit-{n}", bind=True)
+def rabbit_job(self: Any, n: str, k: int, go: str = "", timeout: float = 60.0) -> dict[str, Any]:
+    """Holds rabbit-<n> until the coordination key ``go`` exists (at once without one), then
+    returns; counts the runs of its body per (n, k) (``enter`` carries the run number, the
+    fence, whether it recovered a dead owner's lease and whether RabbitMQ redelivered the
+    message). Every copy of one task waits for the same key."""
+    lease = current_lease()
+    runs = coord().incr(f"{env['CL_EVENTS']}:runs:{n}:{k}")
+    delivery = self.request.delivery_info or {}
+    report(
+        "enter",
+        res=n,
+        k=k,
+        run=runs,
+        task=self.request.id,
+        fence=lease.fence,
+        recovered=lease.recovered,
+        previous_fence=lease.previous_fence,
+        redelivered=bool(delivery.get("redelivered")),
+        host=self.request.hostname,
+    )
+    coord().set(f"{env['CL_EVENTS']}:ready:{n}:{k}", os.getpid())
+    if go:
+        wait_for_key(go, timeout=timeout, poll=0.05)
+    report("exit", res=n, k=k, run=runs, task=self.request.id, fence=lease.fence)
+    return {"k": k, "run": runs, "fence": lease.fence, "recovered": lease.recovered}
