@@ -310,3 +310,62 @@ def test_a_waiter_held_past_consumer_timeout_is_not_lost_and_runs_once(
     assert counts == [1, 1], events.where(res=n)
     assert [o["k"] for o in outcomes] == [0, 1] and outcomes[1]["run"] == 1
     assert holder.state == waiter.state == "SUCCESS"
+
+
+# -- prefetch ------------------------------------------------------------------------------------
+WAITERS = 4
+
+
+@pytest.mark.parametrize("raised", [True, False], ids=["eta_qos", "negative_control"])
+def test_a_worker_whose_prefetch_holds_back_stop_copies_still_takes_new_work(
+    amqp_vhost, it_app, start_worker, store_env, events, coord, queue, raised
+):
+    """One worker, two threads, prefetch 2 (multiplier 1). A holder keeps one resource; four
+    waiters on it are refused, and each one's back-stop copy (a countdown of one ttl, 5 s) is
+    held unacked in the worker. A task on another resource, sent then, starts at once: Celery
+    raises the channel's prefetch by one for each countdown message it holds (classic queues,
+    global QoS). Negative control (that raise switched off, as with quorum queues' static
+    prefetch): the held copies fill the prefetch and the new task waits for the holder."""
+    ttl = 5.0
+    env = {
+        **store_env("redis"),
+        "CL_BROKER": amqp_vhost.url,
+        "CL_TTL": str(ttl),
+        "CL_BACKOFF_CAP": str(ttl),
+        "CL_ETA_QOS": "on" if raised else "off",
+    }
+    start_worker(env, queue=queue, pool="threads", concurrency=2)
+    n, other, go = unique("p"), unique("o"), events.key_for("go")
+    with producer_for(it_app, amqp_vhost.url) as producer:
+        holder = producer.send_task(it_app.rabbit_job.name, (n, 0, go), queue=queue)
+        events.wait(ev="enter", res=n, k=0)
+        waiters = [
+            producer.send_task(it_app.rabbit_job.name, (n, k), queue=queue)
+            for k in range(1, WAITERS + 1)
+        ]
+        wait_for(
+            lambda: len(events.where(ev="retry")) >= (WAITERS if raised else 1),
+            30,
+            "the waiters refused",
+        )
+        sent = time.time()
+        fresh = producer.send_task(it_app.rabbit_job.name, (other, 0), queue=queue)
+        watch = ttl - 1.0  # (before any back-stop copy comes due)
+        deadline = time.monotonic() + watch
+        while time.monotonic() < deadline and not events.where(ev="enter", res=other):
+            time.sleep(0.05)
+        started = events.where(ev="enter", res=other)
+        refused = len({e["task"] for e in events.where(ev="retry")})
+        coord.set(go, 1)
+        wait_for(lambda: fresh.ready() and all(w.ready() for w in waiters), 60, "all done")
+    print(
+        f"eta_qos={raised}: {refused} waiters refused; new task started "
+        + (f"{started[0]['t'] - sent:.2f}s after it was sent" if started else f"not in {watch}s")
+    )
+    assert holder.state == fresh.state == "SUCCESS"
+    assert all(w.state == "SUCCESS" for w in waiters)
+    if not raised:
+        assert not started, "the new task ran: the control is broken"
+        return
+    assert refused == WAITERS
+    assert started and started[0]["t"] - sent < 2.0, started

@@ -61,8 +61,14 @@ if env.get("CL_ACKS_LATE") == "0":  # Celery's default: the message is acked as 
     app.conf.task_acks_late = False
 if env.get("CL_DEDUP") == "0":  # no identity records: a copy of a finished task runs again
     app.conf.lease_dedup = False
-if env.get("CL_PREFETCH"):
-    app.conf.worker_prefetch_multiplier = int(env["CL_PREFETCH"])
+if env.get("CL_ETA_QOS") == "off":
+    # Negative control of test_rabbitmq_faults.py: the worker does not raise its prefetch for
+    # each countdown message it holds (Celery does, on RabbitMQ's classic queues), so held
+    # back-stop copies fill the prefetch as they do on quorum queues' static prefetch.
+    from kombu.common import QoS
+
+    QoS.increment_eventually = lambda self, n=1: self.value  # type: ignore[method-assign]
+    QoS.decrement_eventually = lambda self, n=1: self.value  # type: ignore[method-assign]
 if env.get("CL_REJECT_ON_WORKER_LOST") == "0":  # Celery's default: a killed child's step fails
     app.conf.task_reject_on_worker_lost = False
 if env.get("CL_NO_BACKEND"):  # no result backend (Celery's DisabledBackend)
