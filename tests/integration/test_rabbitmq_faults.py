@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -369,3 +370,69 @@ def test_a_worker_whose_prefetch_holds_back_stop_copies_still_takes_new_work(
         return
     assert refused == WAITERS
     assert started and started[0]["t"] - sent < 2.0, started
+
+
+# -- the wake queue, a worker that cancels its consumer ----------------------------------------
+IN_LINE = 6
+
+
+def node(worker: Worker) -> str:
+    return f"{worker.name}@{socket.gethostname()}"
+
+
+@pytest.mark.parametrize("cancel_wake", [True, False], ids=["wake_queue", "negative_control"])
+def test_waiters_run_in_line_through_the_wake_queue_and_a_cancelled_worker_gets_none(
+    amqp_vhost, it_app, start_worker, store_env, events, queue, cancel_wake
+):
+    """Three workers consume Q (and so Q.lease-wake); worker A is told to stop consuming Q
+    (``app.control.cancel_consumer``), which on RabbitMQ cancels its consumer of the wake queue
+    too. A holder and six waiters, each sent once the one before was refused: at each release
+    the next one is woken through Q.lease-wake, so they run in line, 1 to 6, and only on the
+    two workers still consuming Q. Negative control (the wake queue's consumer left on A): A
+    still takes wakes of the queue it was told to stop consuming."""
+    env = {
+        **store_env("redis"),
+        "CL_BROKER": amqp_vhost.url,
+        "CL_TTL": "5",
+        "CL_BACKOFF_CAP": "5",
+        "CL_CANCEL_WAKE": "on" if cancel_wake else "off",
+    }
+    a, *others = [
+        start_worker(env, queue=queue, pool="threads", concurrency=2, wait=False) for _ in range(3)
+    ]
+    for worker in (a, *others):
+        worker.wait_ready()
+    control = amqp_producer(it_app, amqp_vhost.url)
+    try:
+        control.control.cancel_consumer(queue, destination=[node(a)], reply=True, timeout=10)
+        wake = queue + ".lease-wake"
+        wait_for(
+            lambda: (
+                amqp_vhost.queues().get(wake, {}).get("consumers") == ("2" if cancel_wake else "3")
+                and amqp_vhost.queues().get(queue, {}).get("consumers") == "2"
+            ),
+            20,
+            "A's consumer of Q cancelled",
+        )
+        n, go = unique("f"), events.key_for("go")
+        results = [control.send_task(it_app.fifo_gate.name, (n, 0, go), queue=queue)]
+        events.wait(ev="enter", res=n, k=0)
+        for k in range(1, IN_LINE + 1):
+            results.append(control.send_task(it_app.fifo_hold.name, (n, k, 0.05), queue=queue))
+            events.wait(ev="retry", task=results[-1].id)
+        events.client.rpush(go, 1)
+        wait_for(lambda: all(r.ready() for r in results), 60, "every task done")
+    finally:
+        control.close()
+    entered = [e for e in events.where(ev="enter", res=n) if e["k"] > 0]
+    order = [e["k"] for e in entered]
+    hosts = {e["host"] for e in entered}
+    via = {e["via"] for e in entered}
+    print(f"cancel_wake={cancel_wake}: order {order}; hosts {sorted(hosts)}; via {via}")
+    assert all(r.state == "SUCCESS" for r in results)
+    assert via == {wake}, entered
+    if not cancel_wake:
+        assert node(a) in hosts, "A took no wake: the control is broken"
+        return
+    assert order == list(range(1, IN_LINE + 1)), entered
+    assert node(a) not in hosts, entered

@@ -61,6 +61,18 @@ if env.get("CL_ACKS_LATE") == "0":  # Celery's default: the message is acked as 
     app.conf.task_acks_late = False
 if env.get("CL_DEDUP") == "0":  # no identity records: a copy of a finished task runs again
     app.conf.lease_dedup = False
+if env.get("CL_CANCEL_WAKE") == "off":
+    # Negative control of test_rabbitmq_faults.py: cancel_consumer(Q) leaves Q's wake queue
+    # consumed (as when the wake queue was not cancelled with its task queue).
+    from kombu.messaging import Consumer as _KombuConsumer
+
+    _cancel_by_queue = _KombuConsumer.cancel_by_queue
+
+    def _keep_wake_queues(self: Any, queue: str) -> None:
+        if not queue.endswith(".lease-wake"):
+            _cancel_by_queue(self, queue)
+
+    _KombuConsumer.cancel_by_queue = _keep_wake_queues  # type: ignore[method-assign]
 if env.get("CL_ETA_QOS") == "off":
     # Negative control of test_rabbitmq_faults.py: the worker does not raise its prefetch for
     # each countdown message it holds (Celery does, on RabbitMQ's classic queues), so held
