@@ -436,3 +436,61 @@ def test_waiters_run_in_line_through_the_wake_queue_and_a_cancelled_worker_gets_
         return
     assert order == list(range(1, IN_LINE + 1)), entered
     assert node(a) not in hosts, entered
+
+
+# -- quorum queues: the delivery limit -----------------------------------------------------------
+@pytest.mark.parametrize("handoff", [True, False], ids=["wait_list", "negative_control"])
+def test_a_waiter_whose_copy_a_quorum_queues_delivery_limit_dropped_is_not_lost(
+    amqp_vhost, it_app, start_worker, store_env, events, coord, queue, handoff
+):
+    """Q is a quorum queue with ``x-delivery-limit: 0``: a message returned once is dropped.
+    Worker A runs a holder and holds a refused waiter's back-stop copy; A is SIGKILLed, and
+    RabbitMQ drops both messages (the holder's task is lost, as the delivery limit says). The
+    waiter is not: its place in the resource's wait list outlives
+    its copy, and once the dead holder's lease has run out the new worker's pass over the wait
+    lists sends it again; it runs once, recovering the lease. Negative control (hand-off off:
+    the waiter's only trace is its copy): it is lost with it."""
+    env = {
+        **store_env("redis"),
+        "CL_BROKER": amqp_vhost.url,
+        "CL_TTL": "2",
+        "CL_BACKOFF_CAP": "2",
+        "CL_QUORUM_QUEUE": queue,
+        "CL_DELIVERY_LIMIT": "0",
+        "CL_HANDOFF": "1" if handoff else "0",
+    }
+    a = start_worker(env, queue=queue, pool="threads", concurrency=2)
+    n, go = unique("qq"), events.key_for("go")
+    producer = amqp_producer(it_app, amqp_vhost.url)
+    from kombu import Exchange, Queue
+
+    arguments = {"x-queue-type": "quorum", "x-delivery-limit": 0}
+    producer.conf.task_queues = [
+        Queue(queue, Exchange(queue, type="topic"), routing_key=queue, queue_arguments=arguments)
+    ]
+    try:
+        holder = producer.send_task(it_app.rabbit_job.name, (n, 0, go), queue=queue)
+        events.wait(ev="enter", res=n, k=0)
+        waiter = producer.send_task(it_app.rabbit_job.name, (n, 1), queue=queue)
+        events.wait(ev="retry", task=waiter.id)
+        a.kill()  # (RabbitMQ drops both of A's unacked messages: returned once is too many)
+        killed = time.monotonic()
+        coord.set(go, 1)
+        start_worker(env, queue=queue, pool="threads", concurrency=2)
+        watch = 10.0
+        deadline = time.monotonic() + watch
+        while time.monotonic() < deadline and not waiter.ready():
+            time.sleep(0.1)
+    finally:
+        producer.close()
+    counts = [runs(coord, events, n, 0), runs(coord, events, n, 1)]
+    print(
+        f"handoff={handoff}: waiter {waiter.state} {time.monotonic() - killed:.1f}s after the "
+        f"kill, holder {holder.state}; bodies ran {counts}"
+    )
+    assert holder.state == "PENDING" and counts[0] == 1  # dropped by RabbitMQ
+    if not handoff:
+        assert not waiter.ready() and counts[1] == 0, "the waiter ran: the control is broken"
+        return
+    outcome = waiter.get(timeout=1)
+    assert waiter.state == "SUCCESS" and counts[1] == 1 and outcome["recovered"] is True

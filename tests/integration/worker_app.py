@@ -61,6 +61,20 @@ if env.get("CL_ACKS_LATE") == "0":  # Celery's default: the message is acked as 
     app.conf.task_acks_late = False
 if env.get("CL_DEDUP") == "0":  # no identity records: a copy of a finished task runs again
     app.conf.lease_dedup = False
+if env.get("CL_QUORUM_QUEUE"):
+    # The test's queue as a quorum queue (x-delivery-limit CL_DELIVERY_LIMIT when set).
+    from kombu import Exchange, Queue
+
+    _quorum_args: dict[str, Any] = {"x-queue-type": "quorum"}
+    if env.get("CL_DELIVERY_LIMIT"):
+        _quorum_args["x-delivery-limit"] = int(env["CL_DELIVERY_LIMIT"])
+    _name = env["CL_QUORUM_QUEUE"]
+    app.conf.task_queues = [
+        Queue(_name, Exchange(_name, type="topic"), routing_key=_name, queue_arguments=_quorum_args)
+    ]
+    # Celery then declares 28 delay queues for its native delayed delivery, quorum ones by
+    # default: deleting the test's vhost took 17 s with those, so here they are classic.
+    app.conf.broker_native_delayed_delivery_queue_type = "classic"
 if env.get("CL_CANCEL_WAKE") == "off":
     # Negative control of test_rabbitmq_faults.py: cancel_consumer(Q) leaves Q's wake queue
     # consumed (as when the wake queue was not cancelled with its task queue).
