@@ -57,6 +57,44 @@ app.conf.update(
 )
 if env.get("CL_TRACK_STARTED"):
     app.conf.task_track_started = True
+if env.get("CL_ACKS_LATE") == "0":  # Celery's default: the message is acked as its run starts
+    app.conf.task_acks_late = False
+if env.get("CL_DEDUP") == "0":  # no identity records: a copy of a finished task runs again
+    app.conf.lease_dedup = False
+if env.get("CL_QUORUM_QUEUE"):
+    # The test's queue as a quorum queue (x-delivery-limit CL_DELIVERY_LIMIT when set).
+    from kombu import Exchange, Queue
+
+    _quorum_args: dict[str, Any] = {"x-queue-type": "quorum"}
+    if env.get("CL_DELIVERY_LIMIT"):
+        _quorum_args["x-delivery-limit"] = int(env["CL_DELIVERY_LIMIT"])
+    _name = env["CL_QUORUM_QUEUE"]
+    app.conf.task_queues = [
+        Queue(_name, Exchange(_name, type="topic"), routing_key=_name, queue_arguments=_quorum_args)
+    ]
+    # Celery then declares 28 delay queues for its native delayed delivery, quorum ones by
+    # default: deleting the test's vhost took 17 s with those, so here they are classic.
+    app.conf.broker_native_delayed_delivery_queue_type = "classic"
+if env.get("CL_CANCEL_WAKE") == "off":
+    # Negative control of test_rabbitmq_faults.py: cancel_consumer(Q) leaves Q's wake queue
+    # consumed (as when the wake queue was not cancelled with its task queue).
+    from kombu.messaging import Consumer as _KombuConsumer
+
+    _cancel_by_queue = _KombuConsumer.cancel_by_queue
+
+    def _keep_wake_queues(self: Any, queue: str) -> None:
+        if not queue.endswith(".lease-wake"):
+            _cancel_by_queue(self, queue)
+
+    _KombuConsumer.cancel_by_queue = _keep_wake_queues  # type: ignore[method-assign]
+if env.get("CL_ETA_QOS") == "off":
+    # Negative control of test_rabbitmq_faults.py: the worker does not raise its prefetch for
+    # each countdown message it holds (Celery does, on RabbitMQ's classic queues), so held
+    # back-stop copies fill the prefetch as they do on quorum queues' static prefetch.
+    from kombu.common import QoS
+
+    QoS.increment_eventually = lambda self, n=1: self.value  # type: ignore[method-assign]
+    QoS.decrement_eventually = lambda self, n=1: self.value  # type: ignore[method-assign]
 if env.get("CL_REJECT_ON_WORKER_LOST") == "0":  # Celery's default: a killed child's step fails
     app.conf.task_reject_on_worker_lost = False
 if env.get("CL_NO_BACKEND"):  # no result backend (Celery's DisabledBackend)
@@ -1077,6 +1115,7 @@ if env.get("CL_REPORT_STARTS"):
             ex=delivery.get("exchange"),
             rk=delivery.get("routing_key"),
             retries=request.retries,
+            redelivered=bool(delivery.get("redelivered")),
         )
 
 
@@ -1188,3 +1227,31 @@ if env.get("CL_UNIQUE_REVOKE") == "0":  # the negative control of a revoked copy
     from celery_lease import _unique
 
     _unique.RELEASE_ON_REVOKE = False
+
+
+@lease_task(app=app, resource="rabbit-{n}", bind=True)
+def rabbit_job(self: Any, n: str, k: int, go: str = "", timeout: float = 60.0) -> dict[str, Any]:
+    """Holds rabbit-<n> until the coordination key ``go`` exists (at once without one), then
+    returns; counts the runs of its body per (n, k) (``enter`` carries the run number, the
+    fence, whether it recovered a dead owner's lease and whether RabbitMQ redelivered the
+    message). Every copy of one task waits for the same key."""
+    lease = current_lease()
+    runs = coord().incr(f"{env['CL_EVENTS']}:runs:{n}:{k}")
+    delivery = self.request.delivery_info or {}
+    report(
+        "enter",
+        res=n,
+        k=k,
+        run=runs,
+        task=self.request.id,
+        fence=lease.fence,
+        recovered=lease.recovered,
+        previous_fence=lease.previous_fence,
+        redelivered=bool(delivery.get("redelivered")),
+        host=self.request.hostname,
+    )
+    coord().set(f"{env['CL_EVENTS']}:ready:{n}:{k}", os.getpid())
+    if go:
+        wait_for_key(go, timeout=timeout, poll=0.05)
+    report("exit", res=n, k=k, run=runs, task=self.request.id, fence=lease.fence)
+    return {"k": k, "run": runs, "fence": lease.fence, "recovered": lease.recovered}
