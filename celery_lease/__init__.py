@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from . import _pid  # noqa: F401 - first: its fork hook runs before the others
+from . import (
+    _pid,  # noqa: F401 - first: its fork hook runs before the others
+    _routes,  # noqa: F401 - registers lease_routes with install()
+)
 from ._app import install
 from ._errors import (
     AlreadyQueuedError,

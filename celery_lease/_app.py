@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
 from celery import bootsteps, signals
@@ -62,6 +62,10 @@ _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 # Lease task classes bound so far (see register_task_type): the bootstep resolves the settings
 # of their tasks at worker start, so a bad one stops the worker there.
 _lease_task_types: weakref.WeakSet[type] = weakref.WeakSet()
+# What install() and the worker-start check also do, for modules above this one (_routes:
+# lease_routes), which this module may not import: see on_install and on_check.
+_install_hooks: list[Callable[[Any], None]] = []
+_check_hooks: list[Callable[[Any], list[str]]] = []
 # Stores put in place by override_store(), innermost last. Process-wide on purpose: a test's
 # worker threads must see the store the test put in place.
 _overrides: list[LeaseStore] = []
@@ -338,6 +342,8 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Here, in the worker's main process, once per worker start.
         for warning in crash_recovery_warnings(app, tasks, _is_prefork(worker)):
             log.warning("celery_lease: %s", warning)
+        for warning in _check_warnings(app):
+            log.warning("celery_lease: %s", warning)
         try:
             store = get_store(app, settings)
             warnings = store.check_health()
@@ -432,11 +438,29 @@ def broker_pool_warning(app: Any, pool_cls: Any, concurrency: int) -> str | None
 
 def _check_settings(app: Any) -> LeaseSettings:
     """Resolve the app's lease settings and each lease task's (a bad one raises
-    ``LeaseConfigError``). Not kept: a task resolves again at its first run (a test may change
-    a setting after its worker started)."""
+    ``LeaseConfigError``), and run the checks registered with ``on_check``. Not kept: a task
+    resolves again at its first run (a test may change a setting after its worker started)."""
     settings = LeaseSettings.resolve(app.conf)
     _lease_task_settings(app)
+    for check in _check_hooks:
+        check(app)
     return settings
+
+
+def _check_warnings(app: Any) -> list[str]:
+    """The warnings of the checks registered with ``on_check`` (run after _check_settings)."""
+    return [warning for check in _check_hooks for warning in check(app)]
+
+
+def on_install(hook: Callable[[Any], None]) -> None:
+    """Have ``install(app)`` also call ``hook(app)`` (``_routes``: the lease_routes entry)."""
+    _install_hooks.append(hook)
+
+
+def on_check(hook: Callable[[Any], list[str]]) -> None:
+    """Have the worker's start check also call ``hook(app)``: it raises ``LeaseConfigError``
+    to stop the worker, and returns warnings to log."""
+    _check_hooks.append(hook)
 
 
 def _lease_task_settings(app: Any) -> list[tuple[Any, LeaseSettings]]:
@@ -477,6 +501,8 @@ def install(app: Any) -> None:
     if app in _installed:
         return
     _installed.add(app)
+    for hook in _install_hooks:
+        hook(app)
     app.steps["worker"].add(LeaseBootstep)
     app.steps["consumer"].add(LeaseWakeQueues)
     events.register_prometheus()

@@ -269,13 +269,17 @@ class LeaseSettings:
         return settings
 
 
+#: ``app.conf`` keys of celery_lease that are no per-task setting (read by their own module).
+APP_ONLY_KEYS = ("lease_routes",)
+
+
 def _check_conf_keys(conf: Any) -> None:
     """Refuse a ``lease_*`` key on ``app.conf`` that is no setting (a typo would be ignored)."""
     try:
         keys = list(conf.keys())
     except (AttributeError, TypeError):  # not a mapping: nothing to check
         return
-    known = {f"lease_{f.name}" for f in fields(LeaseSettings)}
+    known = {f"lease_{f.name}" for f in fields(LeaseSettings)} | set(APP_ONLY_KEYS)
     for key in keys:
         if not isinstance(key, str):
             continue

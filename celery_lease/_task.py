@@ -427,6 +427,62 @@ def lease_task(
             ``gates`` entry that is no gate or a key template naming no parameter.
     """
     base = base or LeaseTask
+    attrs = lease_attributes(
+        base,
+        resource=resource,
+        identity=identity,
+        unique_key=unique_key,
+        gates=gates,
+        reconcile=reconcile,
+        reconcile_effect=reconcile_effect,
+        options=options,
+    )
+    specs = {
+        what: attrs.get(f"lease_{what}", raw_attr(base, f"lease_{what}")) for what in _TEMPLATES
+    }
+    if app is not None:
+        # Now, at import: a worker parses its command line (the --lease-* options) before the
+        # app is finalized and its tasks are bound.
+        install(app)
+    register = app.task if app is not None else shared_task
+    decorator = register(base=base, **attrs, **options)
+
+    def define(fun: F) -> Any:
+        signature = inspect.signature(fun)
+        if options.get("bind"):  # the task itself comes first
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        name = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
+        check_templates(specs, signature, name)
+        check_gates(attrs.get("lease_gates", raw_attr(base, "lease_gates")), signature, name)
+        return decorator(fun)
+
+    if len(args) == 1 and callable(args[0]) and not options:
+        return define(args[0])
+    if args:
+        raise LeaseConfigError("lease_task takes keyword arguments only (resource=..., ttl=...)")
+    return define
+
+
+def lease_attributes(
+    base: type[LeaseTask],
+    *,
+    resource: str | Callable[..., str] | None = None,
+    identity: str | Callable[..., str] | bool | None = None,
+    unique_key: str | Callable[..., str] | None = None,
+    gates: GatesSpec | None = None,
+    reconcile: Callable[[Lease], None] | None = None,
+    reconcile_effect: Callable[[str, Lease], Any] | None = None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """The class attributes ``@lease_task`` gives a task for its lease keywords, checked.
+
+    The lease settings among ``options`` (``ttl``, ``on_busy``, ...) are taken out of it; what
+    is left are Celery's task options. ``lease_routes`` gives a routed task the same attributes
+    (``_routes``): a keyword added to ``@lease_task`` is mapped here, for both.
+
+    Raises:
+        LeaseConfigError: as ``lease_task``.
+    """
     if not (isinstance(base, type) and issubclass(base, LeaseTask)):
         raise LeaseConfigError(f"base must be a LeaseTask subclass, got {show_value(base)}")
     attrs: dict[str, Any] = {}
@@ -480,27 +536,4 @@ def lease_task(
                 "unique_key, gates, reconcile, reconcile_effect, app, base and Celery's task "
                 "options; a task attribute of your own goes on a LeaseTask subclass passed as base="
             )
-    specs = {
-        what: attrs.get(f"lease_{what}", raw_attr(base, f"lease_{what}")) for what in _TEMPLATES
-    }
-    if app is not None:
-        # Now, at import: a worker parses its command line (the --lease-* options) before the
-        # app is finalized and its tasks are bound.
-        install(app)
-    register = app.task if app is not None else shared_task
-    decorator = register(base=base, **attrs, **options)
-
-    def define(fun: F) -> Any:
-        signature = inspect.signature(fun)
-        if options.get("bind"):  # the task itself comes first
-            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-        name = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
-        check_templates(specs, signature, name)
-        check_gates(attrs.get("lease_gates", raw_attr(base, "lease_gates")), signature, name)
-        return decorator(fun)
-
-    if len(args) == 1 and callable(args[0]) and not options:
-        return define(args[0])
-    if args:
-        raise LeaseConfigError("lease_task takes keyword arguments only (resource=..., ttl=...)")
-    return define
+    return attrs

@@ -618,7 +618,8 @@ def _facts_lines(facts: dict[str, Any]) -> list[str]:
 @_fails_cleanly
 def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     """Check the store: health, a write probe, clock skew, and for PostgreSQL its timeouts
-    and the role's rights.
+    and the role's rights; list the lease tasks and where each lease comes from (decorator or
+    lease_routes pattern).
 
     The verdict is the exit status, and ``"ok"`` in ``--json`` says the same: ok unless the
     write probe failed, or ``--strict`` is given and there are warnings. Warnings alone are
@@ -636,6 +637,7 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
             "but times this host prints or compares (logs, --expired) disagree; sync with NTP"
         )
     out: dict[str, Any] = {"store": store.url, "probe": probe}
+    tasks = _leased_tasks(ctx.obj.app, warnings)
     if store_kind(store.url) == "postgresql":
         try:
             facts, more = _postgres_facts(store)
@@ -644,6 +646,7 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
             facts = {}
         out["postgresql"] = facts
         warnings += more
+    out["tasks"] = tasks
     out["warnings"] = warnings
     # One verdict for both forms: "ok" is what the exit status says (a script reading the JSON
     # must not fail a deploy that the exit status passes, or the reverse).
@@ -664,6 +667,11 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         facts = {"store": store.url, "write probe": outcome, **out.get("postgresql", {})}
         for line in _facts_lines(facts):
             ctx.obj.echo(line)
+        ctx.obj.echo(f"leased tasks: {len(tasks) or 'none'}")
+        width = max((len(t["task"]) for t in tasks), default=0)
+        for task in tasks:
+            source = f"route {task['pattern']!r}" if task["source"] == "route" else task["source"]
+            ctx.obj.echo(f"  {task['task']:<{width}}  {source}, resource {task['resource']!r}")
         for warning in warnings:
             ctx.obj.echo(f"WARNING: {warning}")
         if "failed" in probe:
@@ -678,6 +686,17 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
         raise CommandError(f"the write probe failed: {probe['failed']}")
     if strict and warnings:
         raise CommandError(f"{len(warnings)} warning(s) about {store.url}")
+
+
+def _leased_tasks(app: Any, warnings: list[str]) -> list[dict[str, Any]]:
+    """The app's lease tasks, each with where its lease comes from (``decorator``, ``class``
+    or ``route`` with its pattern); a route that matches no task adds a warning. Imports the
+    app's task modules first (``imports``, ``include``), as a worker does."""
+    from ._routes import leased_tasks, route_problems
+
+    app.loader.import_default_modules()
+    warnings += route_problems(app)  # (a route the worker would refuse raises here too)
+    return leased_tasks(app)
 
 
 #: What ``init-schema`` prints for a Redis store: the ACL a least-privilege user needs.

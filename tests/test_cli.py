@@ -304,7 +304,10 @@ class TestCheckHumanOutput:
         for line in per_table:
             assert line.startswith("  ") and len(line.split()) == 2, line
             assert set(line.split()[1].split(",")) <= {"SELECT", "INSERT", "UPDATE", "DELETE"}
-        facts = [line for line in lines[:-1] if line not in per_table and line != "table_rights:"]
+        tasks = next(i for i, line in enumerate(lines) if line.startswith("leased tasks: "))
+        facts = [
+            line for line in lines[:tasks] if line not in per_table and line != "table_rights:"
+        ]
         assert any(line.startswith("idle_in_transaction_session_timeout: ") for line in facts)
         for line in facts:
             assert re.match(r"[A-Za-z_ ]+: +\S", line), line

@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("task copies", {"_copies"}),
     ("task outcomes", {"_waiting", "_outcomes"}),
     ("task attempt", {"_attempt"}),
-    ("tasks", {"_task", "_sweeper", "_release"}),
+    ("tasks", {"_task", "_sweeper", "_release", "_routes"}),
     (
         "entry points",
         {

@@ -55,6 +55,7 @@ class Worker:
         concurrency: int = 2,
         logdir: Path,
         extra_args: tuple[str, ...] = (),
+        app: str = "tests.integration.worker_app",
     ) -> None:
         self.name = name
         self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
@@ -64,7 +65,7 @@ class Worker:
             "-m",
             "celery",
             "-A",
-            "tests.integration.worker_app",
+            app,
             "worker",
             "-P",
             pool,
