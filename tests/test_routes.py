@@ -19,6 +19,7 @@ import pytest
 from celery import Celery, Task, shared_task
 
 from celery_lease import (
+    AlreadyQueuedError,
     LeaseBusyError,
     LeaseConfigError,
     LeaseTask,
@@ -121,6 +122,28 @@ class TestRoutedTask:
                 "resource": "invoice:{invoice_id}",
             }
         ]
+
+    def test_a_route_carries_unique(self, make_app):
+        """unique=, unique_key= and on_conflict= on a route lock at publish as on the decorator."""
+        app = make_app(
+            {
+                "billing.send": {
+                    "resource": "invoice:{invoice_id}",
+                    "unique": "until_executed",
+                    "unique_key": "{invoice_id}",
+                }
+            }
+        )
+
+        @app.task(name="billing.send", shared=False)
+        def send(invoice_id):
+            return invoice_id
+
+        app.finalize()
+        first = app.tasks["billing.send"].delay(17)
+        with pytest.raises(AlreadyQueuedError) as refused:
+            app.tasks["billing.send"].delay(17)
+        assert (refused.value.key, refused.value.task_id) == ("unique:billing.send:17", first.id)
 
     def test_a_busy_resource_refuses_the_routed_task(self, make_app):
         """Exclusion: while another owner holds the resource, the routed body does not run."""
