@@ -409,6 +409,7 @@ class Attempt:
         started = _clock.monotonic()
         hold: Hold | None = None
         outcome = "failed"
+        ended = False  # the execution ends here (its publish lock, if any, is given back)
         attempt = request.retries or 0  # copies of earlier attempts are superseded
         result: Any = None
         try:
@@ -433,6 +434,7 @@ class Attempt:
                 interrupter.disarm()
                 lease.check()  # never report success for a lease known lost or past deadline
                 outcome = "done"
+                ended = True
             except (LeaseLostError, LeaseInterrupt) as exc:
                 # (LeaseInterrupt is a BaseException: an except Exception in the body lets it
                 # through, and so must every clause here that means "the lease is lost".)
@@ -454,15 +456,20 @@ class Attempt:
                 if lease.lost is not None:
                     outcome = "retry"
                     _outcomes.lease_lost(task, self.setup, lease.lost, lease)
+                ended = lease.lost is None
                 raise
             except (Retry, Ignore, Reject) as exc:
                 interrupter.disarm()
                 outcome = "retry"  # not finished: a later delivery runs it again
                 if isinstance(exc, Retry):  # self.retry(): the next attempt is the current one
                     attempt += 1
+                # (the body's own Ignore, or a Reject that drops the message, ends it all the
+                # same for its publish lock)
+                ended = isinstance(exc, Ignore) or (isinstance(exc, Reject) and not exc.requeue)
                 raise
             except Exception:
                 interrupter.disarm()
+                ended = True
                 raise  # a failure: copies of this execution end without running it again
             except BaseException:
                 interrupter.disarm()
@@ -482,6 +489,10 @@ class Attempt:
                 held_since=started,
                 early=True,
             )
+            if ended and request.get(UNIQUE_HEADER) is not None:
+                # Before Celery stores the result and sends a chain's next step, which may
+                # need this key (after_return comes after both).
+                _unique.finished(task, request)
         failpoints.hit("after_ledger_before_ack")
         return result
 

@@ -70,13 +70,16 @@ def key_of(*args: Any, **kwargs: Any) -> str:
 
     ``key_of(42, "de")`` is ``"42:de"`` and ``key_of(user=7)`` ``"user.7"``: the arguments
     written out and joined by ``:``, when that is a valid name (1..200 of ``A-Z a-z 0-9 _ . :
-    / -``). Anything else (spaces, other characters, a long text, a dict) gives the valid
-    start of that and a digest of all the arguments: ``"Hello.3f2a..."`` (32 hex digits), the
-    same for the same arguments in any process. As a callable ``unique_key=key_of`` it keys
-    a task's copies by all their arguments, as celery-once and celery-singleton do.
+    / -``) and no argument holds a ``:``. Anything else (spaces, other characters, a ``:``, a
+    long text, a dict) gives the valid start of that and a digest of all the arguments:
+    ``"Hello.3f2a..."`` (32 hex digits), the same for the same arguments in any process. As
+    ``unique_key=key_of`` it keys a task's copies by all their arguments as its signature binds
+    them (defaults applied), as celery-once and celery-singleton do.
     """
-    readable = ":".join([*map(str, args), *(f"{k}.{v}" for k, v in sorted(kwargs.items()))])
-    if _RESOURCE_RE.fullmatch(readable):
+    parts = [*map(str, args), *(f"{k}.{v}" for k, v in sorted(kwargs.items()))]
+    readable = ":".join(parts)
+    # (a part holding the separator would make ("a:b", "c") and ("a", "b:c") one key)
+    if _RESOURCE_RE.fullmatch(readable) and not any(":" in part for part in parts):
         return readable
     exact = json.dumps([list(args), sorted(kwargs.items())], sort_keys=True, default=repr)
     digest = hashlib.sha256(exact.encode("utf-8", "surrogatepass")).hexdigest()[:32]

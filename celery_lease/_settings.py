@@ -38,6 +38,8 @@ UNIQUE_MODES = (
     "until_and_while_executing",
     "until_expired",
 )
+#: The longest a publish lock may live (the stores' LOCK_MAX_TTL).
+UNIQUE_TTL_MAX = 30 * 86400.0
 #: What a publish does when the unique key is held by another copy.
 ON_CONFLICT = ("raise", "return_existing", "skip", "replace")
 #: The orders waiters on one resource may run in: as they arrive at the store, or as their
@@ -230,6 +232,12 @@ class LeaseSettings:
                 f"lease_order={show_value(values['order'])} must be one of "
                 f"{', '.join(map(repr, ORDERS))} (publish: waiters on one resource run in the "
                 "order their messages were published)"
+            )
+        if values.get("unique_ttl", 0) > UNIQUE_TTL_MAX:
+            raise LeaseConfigError(
+                f"lease_unique_ttl={show_value(values['unique_ttl'])} is over 30 days "
+                f"({UNIQUE_TTL_MAX:.0f} s), the longest a publish lock may live; a lock is how "
+                "long a queued copy keeps its key"
             )
         if values.get("unique", "while_executing") not in UNIQUE_MODES:
             raise LeaseConfigError(

@@ -316,8 +316,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         setup = self._compiled()
         call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
         # Names are checked where they are made: a bad one fails here, in the caller.
-        if settings.unique == "while_executing":
-            self._resource(setup, call_args, call_kwargs)
+        resource = self._resource(setup, call_args, call_kwargs)
         if setup.identity is not None:
             self._checked_identity(
                 setup.identity.render(call_args, call_kwargs), "the identity template"
@@ -325,7 +324,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         if settings.unique == "while_executing":
             return super().apply_async(args, kwargs, task_id, **options)
         return _unique.publish(
-            self, setup, super().apply_async, call_args, call_kwargs, task_id, options
+            self, setup, super().apply_async, call_args, call_kwargs, task_id, options, resource
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -30,7 +30,7 @@ import contextlib
 import hashlib
 import logging
 import socket
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
@@ -47,14 +47,16 @@ from ._errors import (
 from ._lease import Lease, Owner
 from ._message import UNIQUE_HEADER, names_task, read_header
 from ._names import (
+    MAX_LABEL_LENGTH,
     RESOURCE_PATTERN,
     RESOURCE_RULE,
     holder_task_id,
+    key_of,
     label_task_id,
     show_value,
 )
 from ._pid import getpid
-from .stores.base import LOCK_PREFIX
+from .stores.base import LOCK_MAX_TTL, LOCK_PREFIX
 
 if TYPE_CHECKING:
     from ._setup import TaskSetup
@@ -72,13 +74,17 @@ REFRESH_SHARE = 0.5
 RELEASE_ON_REVOKE = True
 
 
-def key_for(task: Any, setup: TaskSetup, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+def key_for(
+    task: Any, setup: TaskSetup, args: tuple[Any, ...], kwargs: dict[str, Any], resource: str
+) -> str:
     """The lock's resource: ``unique:``, the task's name and the call's ``unique_key`` (by
-    default its resource), as the peers key a lock by task name and arguments. Raises
+    default its ``resource``), as the peers key a lock by task name and arguments. Raises
     LeaseConfigError naming the task and the value it produced."""
     template = setup.unique_key
     if template is None:
-        part = task._resource(setup, args, kwargs)
+        part = resource
+    elif template.spec is key_of:  # by the arguments as the signature binds them
+        part = key_of(*_bound(template, args, kwargs))
     else:
         part = template.render(args, kwargs)
         if not (isinstance(part, str) and RESOURCE_PATTERN.fullmatch(part)):
@@ -94,6 +100,17 @@ def key_for(task: Any, setup: TaskSetup, args: tuple[Any, ...], kwargs: dict[str
     return LOCK_PREFIX + _digest(name)  # (long, or a task name with other characters)
 
 
+def _bound(template: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The call's arguments in the order of the task's parameters, defaults applied: the
+    same call made positionally or by keyword gives the same key."""
+    try:
+        bound = template.signature.bind(*args, **kwargs)
+    except TypeError:
+        return [*args, *(f"{k}={v!r}" for k, v in sorted(kwargs.items()))]
+    bound.apply_defaults()
+    return list(bound.arguments.values())
+
+
 def _digest(text: str) -> str:
     """A valid name for any text: its start as far as it is valid, and a digest of all of it."""
     start = text[:120]
@@ -102,11 +119,23 @@ def _digest(text: str) -> str:
     return f"{start}.{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
 
 
-def owner_of(key: str, task_id: str, name: str, mode: str) -> Owner:
-    """The owner of ``key``'s lock for ``task_id``: the same for every copy of that task id."""
+def owner_of(key: str, task_id: str, name: str, mode: str, resource: str = "") -> Owner:
+    """The owner of ``key``'s lock for ``task_id``: the same for every copy of that task id.
+    Its label names the task, the mode and the run's resource (``run=``, when it fits)."""
     token = hashlib.sha256(f"celery_lease unique\0{key}\0{task_id}".encode()).hexdigest()[:32]
     note = f"{name} unique={mode}" if " " not in name else f"unique={mode}"
-    return Owner(token, f"{socket.gethostname()}:{getpid()}:{label_task_id(task_id)} {note}")
+    label = f"{socket.gethostname()}:{getpid()}:{label_task_id(task_id)} {note}"
+    if resource and len(label) + len(resource) + 5 <= MAX_LABEL_LENGTH:
+        label += f" run={resource}"
+    return Owner(token, label)
+
+
+def _run_of(label: str | None) -> str | None:
+    """The run's resource a lock's label names (None: not written, it did not fit)."""
+    if label is None:
+        return None
+    _, _, run = label.rpartition(" run=")
+    return run if run and RESOURCE_PATTERN.fullmatch(run) else None
 
 
 def _delay(options: dict[str, Any]) -> float:
@@ -115,9 +144,15 @@ def _delay(options: dict[str, Any]) -> float:
     if countdown is not None:
         return max(0.0, float(countdown))
     eta = options.get("eta")
+    if isinstance(eta, str):
+        try:
+            eta = datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0  # (Celery refuses it too)
     if isinstance(eta, datetime):
-        now = _clock.wall()
-        return max(0.0, eta.timestamp() - now)
+        if eta.tzinfo is None:  # as Celery reads it (enable_utc, the default): UTC
+            eta = eta.replace(tzinfo=timezone.utc)
+        return max(0.0, eta.timestamp() - _clock.wall())
     return 0.0
 
 
@@ -130,6 +165,7 @@ def publish(
     kwargs: dict[str, Any],
     task_id: str | None,
     options: dict[str, Any],
+    resource: str,
 ) -> Any:
     """Publish one copy of ``task`` through ``send`` (Celery's ``apply_async``) with its lock:
     taken first, given back if the publish fails; on a conflict, as ``on_conflict`` says."""
@@ -139,16 +175,17 @@ def publish(
     request = task.request
     resend = task_id is not None and task_id == request.id and not request.called_directly
     held = headers.get(UNIQUE_HEADER) or (read_header(request, UNIQUE_HEADER) if resend else None)
-    needed = settings.unique_ttl + _delay(options)
+    # (a countdown past LOCK_MAX_TTL: the lock lives that long, and no longer)
+    needed = min(settings.unique_ttl + _delay(options), LOCK_MAX_TTL)
     if resend or (held is not None and task_id is not None):  # never a conflict
         if held is not None and task_id is not None:  # retry(), a re-queue: the lock goes on
             headers[UNIQUE_HEADER] = _kept(task, setup, held, task_id, needed)
         return send(args, kwargs, task_id, **{**options, "headers": headers})
     task_id = task_id or uuid()
-    key = key_for(task, setup, args, kwargs)
+    key = key_for(task, setup, args, kwargs, resource)
     store = setup.current_store()
-    owner = owner_of(key, task_id, task.name, mode)
-    lock, busy = _take(task, setup, store, key, owner, needed, args, kwargs)
+    owner = owner_of(key, task_id, task.name, mode, resource)
+    lock, busy = _take(task, setup, store, key, owner, needed)
     if lock is None:
         assert busy is not None
         other = holder_task_id(busy.holder_label or "")
@@ -169,17 +206,13 @@ def _take(
     key: str,
     owner: Owner,
     ttl: float,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
 ) -> tuple[Lease | None, LeaseBusyError | None]:
     """Take the lock (with ``replace``, once more after freeing it); or the refusal."""
     try:
         return store.acquire(key, owner, ttl), None
     except LeaseBusyError as busy:
         other = holder_task_id(busy.holder_label or "")
-        if setup.settings.on_conflict != "replace" or not _replace(
-            task, setup, store, busy, other, args, kwargs
-        ):
+        if setup.settings.on_conflict != "replace" or not _replace(task, store, busy, other):
             return None, busy
     try:
         return store.acquire(key, owner, ttl), None
@@ -256,20 +289,14 @@ def _conflict(
     )
 
 
-def _replace(
-    task: Any,
-    setup: TaskSetup,
-    store: LeaseStore,
-    busy: LeaseBusyError,
-    other: str | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> bool:
+def _replace(task: Any, store: LeaseStore, busy: LeaseBusyError, other: str | None) -> bool:
     """on_conflict="replace": revoke the copy that holds the key and free the key, unless
-    that copy has started (its run holds the resource) or is not a task's."""
-    if other is None or busy.resource is None or busy.fence is None:
+    that copy has started (its run holds its resource, which the lock's label names) or
+    cannot be told (not a task's lock, or its label has no room for the resource)."""
+    run = _run_of(busy.holder_label)
+    if other is None or run is None or busy.resource is None or busy.fence is None:
         return False
-    info = store.get(task._resource(setup, args, kwargs))
+    info = store.get(run)
     if info is not None and not info.expired and names_task(info.owner_label, other):
         return False  # started: it runs on, and this publish is refused
     task.app.control.revoke(other)

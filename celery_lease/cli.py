@@ -29,6 +29,7 @@ from ._lease import LeaseInfo, Owner
 from ._names import holder_task_id, parse_holder, validate_resource
 from ._settings import LeaseSettings
 from .stores.base import (
+    LOCK_PREFIX,
     MAX_LIST_LIMIT,
     RECENT_EFFECTS,
     IdentityInfo,
@@ -445,6 +446,12 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool, fence: in
         raise CommandError(f"{exc}") from None
     if evicted is None:
         ctx.obj.echo(f"{resource}: the lease was gone already, nothing released")
+        return
+    if resource.startswith(LOCK_PREFIX):  # a publish lock (unique=): no run is evicted
+        ctx.obj.echo(
+            f"{resource}: freed the publish lock of {evicted.owner_label!r}; a copy of the task "
+            "may be published again (a copy already queued still runs)"
+        )
         return
     ctx.obj.echo(
         f"{resource}: evicted {evicted.owner_label!r} (fence {evicted.fence}); the next claim "

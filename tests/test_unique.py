@@ -153,6 +153,101 @@ class TestConflicts:
         assert refused.value.task_id == first.id
 
 
+class TestReviewFindings:
+    """Found by a review of unique= (each failed before its fix)."""
+
+    def test_replace_reads_the_holders_own_resource(self, app, store):
+        """unique_key differs from resource: the holder ran on another resource than the new
+        call's, and it has started: replace refuses (it used to look at the new call's
+        resource, find it free, and replace a running copy)."""
+
+        @lease_task(
+            app=app,
+            resource="rep-{n}-{variant}",
+            unique="until_executed",
+            unique_key="{n}",
+            on_conflict="replace",
+            name=unique("t"),
+        )
+        def step(n: int, variant: str) -> int:
+            return n
+
+        first = step.delay(1, "a")
+        store.acquire("rep-1-a", Owner.new(f"w1:1:{first.id} {step.name}"), 30)  # it runs
+        with pytest.raises(AlreadyQueuedError) as refused:
+            step.delay(1, "b")
+        assert refused.value.task_id == first.id
+
+    def test_a_skipped_copy_of_the_running_task_keeps_its_lock(self, app, store):
+        """A redelivered copy (no identity) of the task id that holds the resource is skipped:
+        its lock is the running copy's and stays held (it used to be given back)."""
+        step = _task(app, unique="until_executed", on_busy="skip", identity=False)
+        first = step.delay(1)
+        store.acquire("acct-1", Owner.new(f"w1:1:{first.id} {step.name}"), 30)
+        key = f"unique:{step.name}:acct-1"
+        step.push_request(  # the redelivered copy, as a worker runs it
+            id=first.id,
+            args=(1,),
+            kwargs={},
+            is_eager=False,
+            called_directly=False,
+            celery_lease_unique=[key, store.get(key).fence, "until_executed", 0, 0],
+        )
+        try:
+            with pytest.raises(Exception, match="skipped"):
+                step(1)
+        finally:
+            step.pop_request()
+        with pytest.raises(AlreadyQueuedError):
+            step.delay(1)
+
+    def test_key_of_binds_the_arguments_and_keeps_them_apart(self, app, store):
+        @lease_task(
+            app=app,
+            resource="kk-{a}",
+            unique="until_executed",
+            unique_key=key_of,
+            name=unique("t"),
+        )
+        def kk(a: str, b: str = "x") -> str:
+            return a
+
+        kk.delay("p")
+        for same in ((("p",), {}), ((), {"a": "p"}), (("p", "x"), {})):
+            with pytest.raises(AlreadyQueuedError):
+                kk.apply_async(*same)
+        assert key_of("p:q", "r") != key_of("p", "q:r")
+
+    @pytest.mark.parametrize("form", ["naive", "iso"])
+    def test_an_eta_in_any_form_extends_the_lock(self, app, store, form):
+        from datetime import datetime, timedelta, timezone
+
+        step = _task(app, unique="until_executed", unique_ttl=60)
+        eta = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=600)
+        step.apply_async((1,), eta=eta if form == "naive" else eta.isoformat())
+        info = store.get(f"unique:{step.name}:acct-1")
+        left = (info.expires_at - info.acquired_at).total_seconds()
+        assert 640 <= left <= 670, left
+
+    def test_a_bad_resource_fails_at_publish_also_with_a_unique_key(self, app):
+        @lease_task(
+            app=app,
+            resource="acct {n}",
+            unique="until_executed",
+            unique_key="{n}",
+            name=unique("t"),
+        )
+        def step(n: int) -> int:
+            return n
+
+        with pytest.raises(LeaseConfigError, match="not a valid resource name"):
+            step.delay(1)
+
+    def test_a_unique_ttl_over_30_days_is_refused_where_the_task_is_defined(self, app):
+        with pytest.raises(LeaseConfigError, match="over 30 days"):
+            _task(app, unique="until_executed", unique_ttl=40 * 86400)
+
+
 class TestNamesAtPublish:
     def test_a_resource_that_is_no_valid_name_fails_in_the_caller(self, app):
         @lease_task(app=app, resource="acct {n}", name=unique("t"))

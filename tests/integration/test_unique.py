@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import group
+from celery import chain, group
 
 from celery_lease import AlreadyQueuedError
 from celery_lease._app import override_store
@@ -232,3 +232,27 @@ def test_on_busy_fail_is_told_in_one_warning_without_a_traceback(
     assert not any("Traceback" in line or " ERROR" in line for line in lines), lines
     assert sum(" WARNING" in line for line in lines) <= 1, lines
     assert "Traceback" not in worker.log()
+
+
+def test_a_chain_whose_next_step_has_the_same_key_runs_through(
+    it_app, start_worker, publish_to, queue
+):
+    """The next step is published from inside the step before it (Celery's tracer, before
+    after_return): the step gives its key back when its body ends, so the next one takes it.
+    Before: step 1 ended FAILURE (AlreadyQueuedError), step 2 never ran, the key stayed held
+    for its ttl. And a result read is no head start: the key is free once get() returns."""
+    env = publish_to("redis")
+    start_worker(env, queue=queue, pool="threads", concurrency=2)
+    n = unique("u")
+    step = it_app.uq_executed.si(n).set(queue=queue)
+    steps = chain(step, step.clone()).apply_async()
+    assert steps.get(timeout=30) == n and steps.parent.get(timeout=30) == n
+    refused = 0
+    for _ in range(5):
+        try:
+            again = it_app.uq_executed.apply_async((n,), queue=queue)
+        except AlreadyQueuedError:
+            refused += 1
+            break
+        again.get(timeout=30)
+    assert refused == 0
