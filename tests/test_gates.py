@@ -188,7 +188,9 @@ class TestDefinition:
                 pass
 
     def test_the_unknown_keyword_message_lists_gates(self, app):
-        with pytest.raises(LeaseConfigError, match=r"resource, identity, unique_key, gates, reconcile"):
+        with pytest.raises(
+            LeaseConfigError, match=r"resource, identity, unique_key, gates, reconcile"
+        ):
 
             @lease_task(app=app, resource="r", gatez=[])
             def task():
