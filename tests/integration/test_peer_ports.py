@@ -116,7 +116,8 @@ def test_celery_once_readme(it_app, start_worker, publish_to, events, queue):  #
 
 
 def test_celery_once_keys(it_app, start_worker, publish_to, events, queue):  # noqa: F811
-    """``once={"keys": ["a"]}`` (``unique_key="{a}"``) and ``once={"keys": []}`` (one key for
+    """The default key (all arguments, bound to their names: ``unique_key="{a}:{b}"``),
+    ``once={"keys": ["a"]}`` (``unique_key="{a}"``) and ``once={"keys": []}`` (one key for
     every call); PostgreSQL store."""
     env = publish_to("postgres")
     delay = _delayer(queue)
@@ -131,6 +132,15 @@ def test_celery_once_keys(it_app, start_worker, publish_to, events, queue):  # n
     start_worker(env, queue=queue, pool="threads", concurrency=8)
     go = events.key_for(unique("go"))
     results = []
+    for add, error in [
+        ("once_slow_add_default", AlreadyQueued),
+        ("port_once_slow_add_default", AlreadyQueuedError),  # unique_key="{a}:{b}"
+    ]:
+        task = getattr(it_app, add)
+        results.append(delay(task, 1, 1, go))
+        results.append(delay(task, 1, 2, go))  # different arguments, different locks
+        with pytest.raises(error):  # arguments bound to their names: the key of (1, 1)
+            delay(task, a=1, b=1, go=go)
     for add, error in [
         ("once_slow_add", AlreadyQueued),
         ("port_once_slow_add", AlreadyQueuedError),
@@ -149,7 +159,7 @@ def test_celery_once_keys(it_app, start_worker, publish_to, events, queue):  # n
         with pytest.raises(error):  # whatever the arguments
             delay(task, 2, 2, go)
     events.client.rpush(go, *[1] * len(results))
-    assert [r.get(timeout=30) for r in results] == [2, 4, 2, 4, 2, 2]
+    assert [r.get(timeout=30) for r in results] == [2, 3, 2, 3, 2, 4, 2, 4, 2, 2]
     for add in (
         "once_slow_add",
         "port_once_slow_add",

@@ -1301,6 +1301,10 @@ if QueueOnce is not None:
     def once_slow_task_graceful(go: str) -> str:
         return _readme_sleep("once_slow_task_graceful", go, "Done!")
 
+    @app.task(base=QueueOnce)
+    def once_slow_add_default(a: int, b: int, go: str) -> int:
+        return _readme_sleep("once_slow_add_default", go, a + b)  # type: ignore[no-any-return]
+
     @app.task(base=QueueOnce, once={"keys": ["a"]})
     def once_slow_add(a: int, b: int, go: str) -> int:
         return _readme_sleep("once_slow_add", go, a + b)  # type: ignore[no-any-return]
@@ -1338,6 +1342,11 @@ def port_once_slow_task(go: str) -> str:
 @lease_task(app=app, resource="slow_task/graceful", unique="until_executed", on_conflict="skip")
 def port_once_slow_task_graceful(go: str) -> str:
     return _readme_sleep("port_once_slow_task_graceful", go, "Done!")
+
+
+@lease_task(app=app, resource="add/{a}-{b}", unique="until_executed", unique_key="{a}:{b}")
+def port_once_slow_add_default(a: int, b: int, go: str) -> int:
+    return _readme_sleep("port_once_slow_add_default", go, a + b)  # type: ignore[no-any-return]
 
 
 @lease_task(app=app, resource="slow_add/{a}-{b}", unique="until_executed", unique_key="{a}")
