@@ -3,7 +3,8 @@
 Configured entirely from ``CELERY_LEASE_BENCH_*`` environment variables set by the benchmark,
 so the worker subprocess and the publishing process build the same app. Every task is a no-op
 taking ``(i, run)``: ``i`` numbers the task within a run (the lease resource is ``bench-{i}``,
-so no two tasks of a run contend), ``run`` tags the run (it keeps celery-once and
+so no two tasks of a run contend; it is also the ``unique=`` variants' key, free again once
+the run is drained), ``run`` tags the run (it keeps celery-once and
 celery-singleton keys unique per run). Results are ignored for every task.
 
 Timing is the worker's own: ``task_prerun`` / ``task_postrun`` (sent around ``Task.__call__``,
@@ -94,6 +95,18 @@ def lease_redis_id_effect(i: int, run: str) -> None:
     current_lease().effect("e")(lambda: 1)
 
 
+@lease_task(
+    resource=RESOURCE,
+    unique="until_executed",
+    app=app,
+    name="bench.lease_redis_unique",
+    ignore_result=True,
+)
+def lease_redis_unique(i: int, run: str) -> None:
+    """unique="until_executed" on the Redis store (identity on): a lock taken at publish and
+    given back when the execution ends, besides the run's claim and release."""
+
+
 if PG_STORE:
 
     @lease_task(
@@ -123,6 +136,17 @@ if PG_STORE:
     def lease_pg_id_effect(i: int, run: str) -> None:
         """PostgreSQL, identity on and one ledgered effect."""
         current_lease().effect("e")(lambda: 1)
+
+    @lease_task(
+        resource=RESOURCE,
+        unique="until_executed",
+        store_url=PG_STORE,
+        app=app,
+        name="bench.lease_pg_unique",
+        ignore_result=True,
+    )
+    def lease_pg_unique(i: int, run: str) -> None:
+        """unique="until_executed" on the PostgreSQL store (identity on)."""
 
 
 # celery-once takes its lock in apply_async (at enqueue) and clears it in after_return.

@@ -2,7 +2,8 @@
 
 Runs no-op tasks through a real Redis broker and one real prefork worker (``-c 2``): for each
 variant (plain Celery; ``@lease_task`` on the Redis and PostgreSQL stores, identity off and on,
-with and without one ledgered effect; celery-once; celery-singleton) it fills a fresh queue
+with and without one ledgered effect, and ``unique="until_executed"``; celery-once;
+celery-singleton) it fills a fresh queue
 first, then lets the worker consume it (``add_consumer``) and measures the worker side only:
 
 * tasks/s from the tasks' own timing (first ``task_prerun`` to last ``task_postrun``, kept in
@@ -12,9 +13,10 @@ first, then lets the worker consume it (``add_consumer``) and measures the worke
   (postmaster and all its backends, also those that came and went), read from /proc/<pid>/stat
   before and after the run;
 * the whole-system CPU microseconds per task: the worker-side figure plus the enqueue (this
-  process publishing, and redis-server meanwhile). celery-once and celery-singleton take their
-  lock at publish time, so the worker-side figure alone flatters them; both are reported, each
-  as a ratio to plain Celery measured in the same repeat.
+  process publishing, and redis-server and PostgreSQL meanwhile). celery-once,
+  celery-singleton and the ``unique=`` variants take their lock at publish time, so the
+  worker-side figure alone flatters them; both are reported, each as a ratio to plain Celery
+  measured in the same repeat.
 
 Variants run interleaved (``A B C ... | ... C B A | A B C ...``) and every figure is the median
 over the repeats; ratios to plain Celery are medians of per-repeat ratios. It is a measurement,
@@ -112,6 +114,19 @@ VARIANTS = (
         "postgres_id_effect",
         "bench.lease_pg_id_effect",
         "lease, PostgreSQL, identity on + 1 effect",
+        needs_postgres=True,
+        lease=True,
+    ),
+    Variant(
+        "redis_unique",
+        "bench.lease_redis_unique",
+        "lease, Redis, identity on, unique=until_executed",
+        lease=True,
+    ),
+    Variant(
+        "postgres_unique",
+        "bench.lease_pg_unique",
+        "lease, PostgreSQL, identity on, unique=until_executed",
         needs_postgres=True,
         lease=True,
     ),
@@ -423,6 +438,11 @@ class Bench:
             for pattern in LOCK_PATTERNS
         )
 
+    def count_unique_locks(self, variant: Variant) -> int:
+        """The ``unique=`` locks left in the variant's lease store after its run (up to 1000)."""
+        store = self.app.tasks[variant.task]._compiled().current_store()
+        return len(store.list(prefix="unique:", limit=1000).leases)
+
     def run(self, variant: Variant, n: int, rep: int) -> Run:
         self.counter += 1
         run_tag = uuid.uuid4().hex[:8]
@@ -433,7 +453,11 @@ class Bench:
         s1 = self.snapshot()
         result.enqueue_seconds = s1.at - s0.at
         enqueue = s1.seconds_since(s0)
-        result.enqueue_cpu = {"bench": s1.bench - s0.bench, "redis": enqueue["redis"]}
+        result.enqueue_cpu = {
+            "bench": s1.bench - s0.bench,
+            "redis": enqueue["redis"],
+            "postgres": enqueue["postgres"],  # (a PostgreSQL unique= lock is taken at publish)
+        }
         time.sleep(SETTLE)
         before = self.snapshot()
         self.app.control.add_consumer(
@@ -474,7 +498,10 @@ class Bench:
                 - previous.get("celery_lease_releases_total", 0)
             )
             self.last_metrics[pid] = now_metrics
-        result.leftover_locks = self.count_locks() if variant.key in ("once", "singleton") else 0
+        if variant.key in ("once", "singleton"):
+            result.leftover_locks = self.count_locks()
+        elif variant.key.endswith("_unique"):
+            result.leftover_locks = self.count_unique_locks(variant)
         return result
 
     def idle(self, seconds: float) -> dict[str, float]:
@@ -652,6 +679,19 @@ def evaluate_targets(runs: list[Run]) -> list[dict[str, Any]]:
             1.0,
             "whole system: Redis store, identity on <= celery-singleton's",
         ),
+        # issue 28: a lock at publish as the peers take one, and the run's lease besides
+        (
+            "redis_unique",
+            "once",
+            1.0,
+            "whole system: Redis store, unique=until_executed <= celery-once's",
+        ),
+        (
+            "redis_unique",
+            "singleton",
+            1.0,
+            "whole system: Redis store, unique=until_executed <= celery-singleton's",
+        ),
     ]
     targets = []
     for num, den, limit, text in specs:
@@ -676,6 +716,8 @@ def informational_ratios(runs: list[Run]) -> list[dict[str, Any]]:
         ("postgres_id_effect", "postgres"),
         ("redis_id_effect", "redis_id"),
         ("redis", "singleton"),
+        ("redis_unique", "redis_id"),
+        ("postgres_unique", "postgres_id"),
         ("once", "plain"),
         ("singleton", "plain"),
     ]
@@ -727,9 +769,10 @@ def print_table(rows: list[dict[str, Any]], idle: dict[str, float]) -> None:
         "own clock);\nCPU us/task: user+sys of worker parent + pool + redis-server + PostgreSQL "
         "processes over the run,\nmedian; x plain: median of per-repeat ratios to plain Celery; "
         "parent/pool/redis/pg: the CPU split\n(medians, us/task); enqueue: CPU us/task of "
-        "publishing (this process + redis), not part of the\nworker-side figure; whole: "
-        "worker-side + enqueue CPU us/task (the whole system: celery-once and\ncelery-singleton "
-        "lock at publish), x plain: median of per-repeat ratios to plain's whole figure. "
+        "publishing (this process + redis + PostgreSQL), not part\nof the worker-side figure; "
+        "whole: worker-side + enqueue CPU us/task (the whole system: celery-once,\n"
+        "celery-singleton and unique= lock at publish), x plain: median of per-repeat ratios "
+        "to plain's whole figure. "
         f"Idle floor of the measured processes: {sum(idle.values()):,.0f} us per second."
     )
 

@@ -1255,3 +1255,147 @@ def rabbit_job(self: Any, n: str, k: int, go: str = "", timeout: float = 60.0) -
         wait_for_key(go, timeout=timeout, poll=0.05)
     report("exit", res=n, k=k, run=runs, task=self.request.id, fence=lease.fence)
     return {"k": k, "run": runs, "fence": lease.fence, "recovered": lease.recovered}
+
+
+# -- the peers' README examples and their ports (tests/integration/test_peer_ports.py) --------
+# Each README task as it is, with a ``go`` signal from the test in place of its sleep(), next
+# to its port as docs/migrating.md maps it (one line per option). The peers lock in the
+# coordination Redis.
+try:
+    from celery_once import QueueOnce
+    from celery_singleton import Singleton
+except ImportError:  # (the bench extra): the ports alone
+    QueueOnce = Singleton = None
+
+_PEER_LOCK_TTL = 60  # the peers' lock timeout: a run that crashed frees its keys within it
+
+
+def _readme_sleep(name: str, go: str, value: Any) -> Any:
+    """The README's ``sleep(...)``: reports enter, waits for the test's ``go``, reports exit."""
+    from celery import current_task
+
+    task_id = current_task.request.id if current_task else None
+    report("enter", res=name, task=task_id)
+    deadline = time.monotonic() + 60
+    while not coord().blpop([go], timeout=1):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody pushed {go}")
+    report("exit", res=name, task=task_id)
+    return value
+
+
+if QueueOnce is not None:
+    app.conf.ONCE = {
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": env.get("CL_COORD", ""), "default_timeout": _PEER_LOCK_TTL},
+    }
+    app.conf.singleton_backend_url = env.get("CL_COORD", "")
+    app.conf.singleton_key_prefix = "cl_it_singleton:"
+    app.conf.singleton_lock_expiry = _PEER_LOCK_TTL
+
+    @app.task(base=QueueOnce)
+    def once_slow_task(go: str) -> str:
+        return _readme_sleep("once_slow_task", go, "Done!")
+
+    @app.task(base=QueueOnce, once={"graceful": True})
+    def once_slow_task_graceful(go: str) -> str:
+        return _readme_sleep("once_slow_task_graceful", go, "Done!")
+
+    @app.task(base=QueueOnce)
+    def once_slow_add_default(a: int, b: int, go: str) -> int:
+        return _readme_sleep("once_slow_add_default", go, a + b)  # type: ignore[no-any-return]
+
+    @app.task(base=QueueOnce, once={"keys": ["a"]})
+    def once_slow_add(a: int, b: int, go: str) -> int:
+        return _readme_sleep("once_slow_add", go, a + b)  # type: ignore[no-any-return]
+
+    @app.task(base=QueueOnce, once={"keys": []})
+    def once_slow_add_any(a: int, b: int, go: str) -> int:
+        return _readme_sleep("once_slow_add_any", go, a + b)  # type: ignore[no-any-return]
+
+    @app.task(base=QueueOnce, once={"unlock_before_run": True})
+    def once_unlock_before_run(go: str) -> str:
+        return _readme_sleep("once_unlock_before_run", go, "Done!")
+
+    @app.task(base=Singleton)
+    def singleton_do_stuff(*args: Any, **kwargs: Any) -> str:
+        return _readme_sleep("singleton_do_stuff", kwargs["go"], "I just woke up")
+
+    @app.task(base=Singleton, unique_on=["username"])
+    def singleton_do_something(username: str, otherarg: Any = None, go: str = "") -> None:
+        _readme_sleep("singleton_do_something", go, None)
+
+    @app.task(base=Singleton, raise_on_duplicate=True)
+    def singleton_raising(username: str, go: str = "") -> None:
+        _readme_sleep("singleton_raising", go, None)
+
+    @app.task(base=Singleton, lock_expiry=2)
+    def singleton_expiring(go: str) -> None:
+        _readme_sleep("singleton_expiring", go, None)
+
+
+@lease_task(app=app, resource="slow_task", unique="until_executed")
+def port_once_slow_task(go: str) -> str:
+    return _readme_sleep("port_once_slow_task", go, "Done!")
+
+
+@lease_task(app=app, resource="slow_task/graceful", unique="until_executed", on_conflict="skip")
+def port_once_slow_task_graceful(go: str) -> str:
+    return _readme_sleep("port_once_slow_task_graceful", go, "Done!")
+
+
+@lease_task(app=app, resource="add/{a}-{b}", unique="until_executed", unique_key="{a}:{b}")
+def port_once_slow_add_default(a: int, b: int, go: str) -> int:
+    return _readme_sleep("port_once_slow_add_default", go, a + b)  # type: ignore[no-any-return]
+
+
+@lease_task(app=app, resource="slow_add/{a}-{b}", unique="until_executed", unique_key="{a}")
+def port_once_slow_add(a: int, b: int, go: str) -> int:
+    return _readme_sleep("port_once_slow_add", go, a + b)  # type: ignore[no-any-return]
+
+
+@lease_task(app=app, resource="slow_add", unique="until_executed")  # keys=[]: one key
+def port_once_slow_add_any(a: int, b: int, go: str) -> int:
+    return _readme_sleep("port_once_slow_add_any", go, a + b)  # type: ignore[no-any-return]
+
+
+@lease_task(app=app, resource="slow_task/unlocked", unique="until_executing")
+def port_once_unlock_before_run(go: str) -> str:
+    return _readme_sleep("port_once_unlock_before_run", go, "Done!")
+
+
+@lease_task(
+    app=app,
+    resource=celery_lease.key_of,
+    unique="until_executed",
+    on_conflict="return_existing",
+)
+def port_singleton_do_stuff(*args: Any, **kwargs: Any) -> str:
+    return _readme_sleep("port_singleton_do_stuff", kwargs["go"], "I just woke up")
+
+
+@lease_task(
+    app=app,
+    resource="user/{username}",
+    unique="until_executed",
+    unique_key="{username}",
+    on_conflict="return_existing",
+)
+def port_singleton_do_something(username: str, otherarg: Any = None, go: str = "") -> None:
+    _readme_sleep("port_singleton_do_something", go, None)
+
+
+@lease_task(app=app, resource="user/{username}", unique="until_executed", on_conflict="raise")
+def port_singleton_raising(username: str, go: str = "") -> None:
+    _readme_sleep("port_singleton_raising", go, None)
+
+
+@lease_task(
+    app=app,
+    resource="expiring",
+    unique="until_executed",
+    unique_ttl=2,
+    on_conflict="return_existing",
+)
+def port_singleton_expiring(go: str) -> None:
+    _readme_sleep("port_singleton_expiring", go, None)
