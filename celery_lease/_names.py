@@ -74,7 +74,7 @@ def key_of(*args: Any, **kwargs: Any) -> str:
     long text, a dict) gives the valid start of that and a digest of all the arguments:
     ``"Hello.3f2a..."`` (32 hex digits), the same for the same arguments in any process. As
     ``unique_key=key_of`` it keys a task's copies by all their arguments as its signature binds
-    them (defaults applied), as celery-once and celery-singleton do.
+    them (defaults applied), as celery-once does.
     """
     parts = [*map(str, args), *(f"{k}.{v}" for k, v in sorted(kwargs.items()))]
     readable = ":".join(parts)
