@@ -7,9 +7,10 @@ releasing task, a refused claim that found the head never woken, the sweeper, th
 when the woken copy never claims (revoked, expired, dropped before its claim, stuck in a
 dead worker) or the wake never left (its sender died after the release):
 
-* after each wake this process sends, a **turn check** once the wake's grace is over: the
-  store's ``wake_due`` on that resource wakes the next waiter and sends the missed one's wake
-  once more (the grace, not a ttl later);
+* after each wake this process sends, a **turn check** once the wake's grace is over (a
+  polling place's turn: once its hold of ``POLL_HOLD`` graces is over): the store's
+  ``wake_due`` on that resource wakes the next waiter and sends the missed one's wake once
+  more (the grace, not a ttl later);
 * every worker makes a **pass** over its stores' wait lists every renew interval
   (``wake_due`` on every list): wakes whose sender died, and waiters of a holder that died, go
   out within about the grace plus one interval.
@@ -37,7 +38,7 @@ from . import _clock
 from . import _events as events
 from ._errors import LeaseError
 from ._pid import getpid
-from .stores._bounds import POLL
+from .stores._bounds import POLL, POLL_HOLD
 
 if TYPE_CHECKING:
     from .stores.base import LeaseStore
@@ -91,6 +92,10 @@ TURN_SLACK = 0.05
 PASS_JITTER = 0.2
 #: The longest one pass or turn check waits before it is tried again after a store error.
 RETRY_CAP = 30.0
+#: How many graces after a polling place's turn came its turn check runs: when its hold ends
+#: (POLL_HOLD graces: it polls once a grace), not while it is still in flight (the tests'
+#: negative control sets 1).
+POLL_TURN_GRACES = POLL_HOLD
 
 
 #: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
@@ -169,8 +174,8 @@ def send_wake(
     nothing to send: its task comes back by itself; its turn is checked all the same.
     """
     if payload == POLL:
-        if store is not None:
-            get_waker().after_wake(app, store, resource)
+        if store is not None:  # (checked when the polling place's hold ends)
+            get_waker().after_wake(app, store, resource, graces=POLL_TURN_GRACES)
         return True
     try:
         message = json.loads(payload)
@@ -277,13 +282,14 @@ class Waker:
         self._passing: dict[int, int] = {}
         self._thread: threading.Thread | None = None
 
-    def after_wake(self, app: Any, store: LeaseStore, resource: str) -> None:
-        """Check, once the wake just sent on ``resource`` is past its grace, that the turn went
-        on (the woken waiter claimed, or the next one is woken now)."""
+    def after_wake(self, app: Any, store: LeaseStore, resource: str, *, graces: float = 1) -> None:
+        """Check, once the wake just sent on ``resource`` is past its grace (``graces`` of
+        them: a polling place's turn is held longer), that the turn went on (the woken waiter
+        claimed, or the next one is woken now)."""
         if not PASS_THE_TURN:
             return
         grace = float(getattr(store, "handoff_grace", 2.0))
-        due = _clock.monotonic() + grace + TURN_SLACK
+        due = _clock.monotonic() + grace * graces + TURN_SLACK
         with self._cond:
             self._turns[(id(store), resource)] = due
             self._push(due, ("turn", app, store, resource))

@@ -102,3 +102,72 @@ def test_a_dead_holders_waiter_runs_within_a_pass(
     assert enter["t"] - killed < 6 + 2.4 + 1 + 8, f"{enter['t'] - killed:.1f}s after the kill"
     wait_for(lambda: len(events.where(ev="exit", res=n, k=1)) == 1, 30, "the waiter to end")
     del holder
+
+
+#: The renew interval (ttl / 3, +-20 %) far from every bound below: a pass over the wait lists
+#: (the first 16-24 s after a worker starts) and a back-stop copy (60 s) come too late to pass
+#: for a turn check. What passes the turn on within the bound is the turn check alone.
+NO_PASS = {**ENV, "CL_TTL": "60"}
+
+
+def _held_with_waiters(it_app, events, queue, n, *waiters):
+    """The holder (k=0) holds ``fifo-<n>`` until the test lets it go; each waiter task of
+    ``waiters`` (k=1, 2, ...) is refused and listed. Returns the holder's go key and the
+    waiters' results."""
+    go = f"go-{n}"
+    holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    results = []
+    for k, task in enumerate(waiters, 1):
+        results.append(task.apply_async((n, k, 0.1), queue=queue))
+        events.wait(ev="retry", task=results[-1].id)
+    del holder
+    return go, results
+
+
+def _revoke(it_app, result):
+    """Revoke a task and wait until the worker says it will drop it."""
+    replies = it_app.app.control.revoke(result.id, reply=True, timeout=10, limit=1)
+    assert replies, "no worker acknowledged the revoke"
+
+
+def _let_go(coord, events, go, n):
+    """Let the holder end; when it ended (its exit report)."""
+    coord.rpush(go, 1)
+    return events.wait(ev="exit", res=n, k=0, timeout=60)["t"]
+
+
+def _enter_within(events, n, k, since, bound):
+    """Wait up to ``bound`` seconds after ``since`` for waiter ``k`` to enter; its delay, or
+    None when it did not (the wait is bounded: a control does not sit out a ttl)."""
+    try:
+        enter = events.wait(ev="enter", res=n, k=k, timeout=max(0.1, since + bound - time.time()))
+    except TimeoutError:
+        return None
+    return enter["t"] - since
+
+
+@pytest.mark.parametrize("due", ["hold", "grace"])
+def test_a_dropped_polling_head_passes_the_turn_when_its_hold_ends(
+    it_app, start_worker, store_env, events, coord, queue, due
+):
+    """P (``identity=False``: a polling place) waits ahead of W2 and is revoked. H's release
+    gives P its turn, held two graces (it polls once a grace). The turn check runs when that
+    hold ends and wakes W2. Negative control (``CL_POLL_TURN_GRACES=1``: the check one grace
+    after the wake, as before): it finds P's hold still in flight and nothing checks again, so
+    W2 waits for a pass. Before: W2 started 3.9-6.4 s (ttl 30) or 16-17 s (ttl 60) late."""
+    env = {**store_env("redis"), **NO_PASS}
+    if due == "grace":
+        env["CL_POLL_TURN_GRACES"] = "1"
+    start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("t")
+    waiters = (it_app.fifo_hold_backoff, it_app.fifo_hold)
+    go, (polling, _w2) = _held_with_waiters(it_app, events, queue, n, *waiters)
+    _revoke(it_app, polling)
+    ended = _let_go(coord, events, go, n)
+    gap = _enter_within(events, n, 2, ended, BOUND)
+    if due == "hold":  # (two graces of 1 s, the slack, W2's trip)
+        assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    else:
+        assert gap is None, f"W2 started {gap:.1f}s after the holder ended"
+    assert not events.where(ev="enter", res=n, k=1), "the revoked polling waiter ran"

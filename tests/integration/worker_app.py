@@ -86,6 +86,10 @@ if env.get("CL_PASS_THE_TURN") == "0":  # the negative control of the turn check
     from celery_lease import _wakes
 
     _wakes.PASS_THE_TURN = False
+if env.get("CL_POLL_TURN_GRACES"):  # negative control: a polling turn checked too early
+    from celery_lease import _wakes
+
+    _wakes.POLL_TURN_GRACES = int(env["CL_POLL_TURN_GRACES"])
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 #: How long a worker holds the Redis transport's ``unacked_mutex`` (kombu: 300 s). A worker
