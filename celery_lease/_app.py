@@ -7,9 +7,10 @@ is parsed before task modules are imported).
 Importing this module (which importing ``celery_lease`` does) installs five process-wide
 hooks, marked where they happen below: an ``os.register_at_fork`` child hook that drops
 inherited store connections, a ``worker_process_shutdown`` receiver and an ``atexit`` handler
-that release the leases still held, a ``worker_process_init`` receiver that starts the
-passes over the wait lists in each prefork pool process, and a ``task_failure`` receiver that
-logs a lease task whose pool process died (``_workerlog``).
+that release the leases still held and run the turn checks still pending, a
+``worker_process_init`` receiver that starts the passes over the wait lists in each prefork
+pool process, and a ``task_failure`` receiver that logs a lease task whose pool process died
+(``_workerlog``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ._errors import LeaseConfigError, LeaseError
 from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
-from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
+from ._wakes import WAKE_QUEUE_SUFFIX, drain_turns, get_waker, wake_queue, wake_queues_on
 from ._workerlog import crash_recovery_warnings, on_task_failure, ttl_summary
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
@@ -199,7 +200,13 @@ def release_all_held() -> int:
 
 def _on_process_shutdown(**_: Any) -> None:
     release_all_held()
+    drain_turns()  # (a pool process recycled right after its release: its check goes first)
     metrics.mark_process_dead()
+
+
+def _at_exit() -> None:
+    release_all_held()
+    drain_turns()  # (the CLI, a script's release_lease or force_release: about a grace)
 
 
 def lease_stores(app: Any) -> list[LeaseStore]:
@@ -252,11 +259,12 @@ signals.worker_process_init.connect(_on_process_init, weak=False)
 
 
 # Import-time side effects (2 and 3 of 3): a pool process that exits, and an interpreter that
-# exits, release the leases still held, so the next owner need not wait for the ttl. Both are
-# process-wide and idempotent (release_all_held on nothing held does nothing), so they are
-# connected once, when the first lease task module imports this one.
+# exits, release the leases still held, so the next owner need not wait for the ttl, and run
+# the turn checks still pending (bounded by about a grace), so a wake it sent is passed on if
+# its waiter never claims. Both are process-wide and idempotent (nothing held, nothing pending:
+# nothing done), so they are connected once, when the first lease task module imports this one.
 signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
-atexit.register(release_all_held)
+atexit.register(_at_exit)
 
 # Import-time side effect (5): a lease task whose prefork pool process died mid-task is logged
 # with its resource and fence by the worker's main process, where Celery reports it.

@@ -15,6 +15,12 @@ dead worker) or the wake never left (its sender died after the release):
   (``wake_due`` on every list): wakes whose sender died, and waiters of a holder that died, go
   out within about the grace plus one interval.
 
+A process that exits with turn checks pending runs them first (:func:`drain_turns`: a prefork
+pool process on ``worker_process_shutdown``, the CLI, a script at interpreter exit), each once
+its waiter claimed or its grace is over, and never waits much past the latest one (a store
+that does not answer cannot hold the exit): a pool process recycled right after its release,
+or ``celery lease release --force``, no longer takes the turn check with it.
+
 One thread per process (:class:`Waker`) keeps both; a forked child makes its own. In a
 prefork worker the pass runs in the first pool process (started by ``worker_process_init``),
 never in the parent, which forks them (a thread there would be forked in the middle of its
@@ -30,6 +36,7 @@ import logging
 import os
 import random
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,6 +58,7 @@ __all__ = [
     "WAKE_QUEUE_SUFFIX",
     "WOKEN_HEADER",
     "Waker",
+    "drain_turns",
     "get_waker",
     "pass_turn",
     "send_wake",
@@ -96,6 +104,17 @@ RETRY_CAP = 30.0
 #: (POLL_HOLD graces: it polls once a grace), not while it is still in flight (the tests'
 #: negative control sets 1).
 POLL_TURN_GRACES = POLL_HOLD
+#: Whether a process that exits runs its pending turn checks first (:func:`drain_turns`; the
+#: tests' negative control sets False).
+EXIT_TURNS = True
+#: How much longer than its latest pending turn check is due an exiting process waits for its
+#: turn checks: a store call and the wakes it hands back. Then it exits all the same.
+EXIT_SLACK = 1.0
+#: How often an exiting process looks whether the waiters it woke have claimed (then it need
+#: not wait for their grace to end).
+EXIT_POLL = 0.05
+#: How long an exiting process's turn checks may take before ``on_wait`` is told it waits.
+WAIT_NOTICE = 0.3
 
 
 #: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
@@ -281,6 +300,8 @@ class Waker:
         #: stopped and started again leaves the old one to end at its next turn)
         self._passing: dict[int, int] = {}
         self._thread: threading.Thread | None = None
+        #: Turn checks the thread runs right now (drain waits for them too).
+        self._checking = 0
 
     def after_wake(self, app: Any, store: LeaseStore, resource: str, *, graces: float = 1) -> None:
         """Check, once the wake just sent on ``resource`` is past its grace (``graces`` of
@@ -311,6 +332,53 @@ class Waker:
         with self._cond:
             self._passing.pop(id(app), None)
 
+    def drain(self, on_wait: Callable[[float], None] | None = None) -> bool:
+        """Run the turn checks this process has pending, before it exits; whether all ran.
+
+        Each check runs once its grace is over, or as soon as the store shows no wake of that
+        resource in flight (its woken waiter claimed). The checks run on a thread of their own
+        and the caller waits until the latest one is due plus ``EXIT_SLACK``, no longer: a
+        store that does not answer cannot hold the exit. The passes stop; wakes these checks
+        send get no check of their own (the passes of the workers catch them). ``on_wait``
+        is called once, with the seconds left, if the checks take longer than
+        ``WAIT_NOTICE``.
+        """
+        with self._cond:
+            self._passing.clear()
+            pending = [
+                (due, item)
+                for due, _, item in self._heap
+                if item[0] == "turn" and self._turns.get((id(item[2]), item[3])) == due
+            ]
+            for _, item in pending:  # (theirs now: the waker's thread skips them)
+                del self._turns[(id(item[2]), item[3])]
+            if not EXIT_TURNS:
+                return True
+            # A check the thread runs right now ends first (one store call, a few wakes).
+            deadline = _clock.monotonic() + EXIT_SLACK
+            while self._checking and _clock.monotonic() < deadline:
+                self._cond.wait(deadline - _clock.monotonic())
+        if not pending:
+            return True
+        latest = max(due for due, _ in pending)
+        done = threading.Event()
+        threading.Thread(
+            target=_run_at_exit,
+            args=(sorted(pending, key=_due), done),
+            name=EXIT_THREAD,
+            daemon=True,
+        ).start()
+        if on_wait is not None and not done.wait(WAIT_NOTICE):
+            on_wait(max(0.0, latest - _clock.monotonic()))
+        if done.wait(max(0.0, latest + EXIT_SLACK - _clock.monotonic())):
+            return True
+        log.warning(
+            "celery_lease: exiting without %d turn check(s): the store did not answer in time "
+            "(the workers' passes over the wait lists pass the turn on)",
+            len(pending),
+        )
+        return False
+
     def _push(self, due: float, item: tuple[Any, ...]) -> None:
         heapq.heappush(self._heap, (due, next(self._order), item))
         if self._thread is None or not self._thread.is_alive():
@@ -338,12 +406,18 @@ class Waker:
                             continue  # a later wake on that resource has its own check
                         if item[0] == "turn":
                             del self._turns[(id(item[2]), item[3])]
+                            self._checking += 1
                         break
                     self._cond.wait(timeout=wait)
             try:
                 self._do(item)
             except Exception:
                 log.exception("celery_lease: a turn check or wait-list pass failed")
+            finally:
+                if item[0] == "turn":
+                    with self._cond:
+                        self._checking -= 1
+                        self._cond.notify_all()
 
     def _do(self, item: tuple[Any, ...]) -> None:
         if item[0] == "turn":
@@ -366,6 +440,49 @@ class Waker:
             self._push(_clock.monotonic() + _jittered(interval), item)
 
 
+EXIT_THREAD = "celery-lease-exit-turns"
+
+
+def _run_at_exit(pending: list[tuple[float, tuple[Any, ...]]], done: threading.Event) -> None:
+    """Run the turn checks ``pending`` ((due, item), soonest first) for :meth:`Waker.drain`:
+    each at its due time, or once no wake of its resource is in flight any more; then set
+    ``done``."""
+    try:
+        left = pending
+        while left:
+            now = _clock.monotonic()
+            waiting = []
+            for due, item in left:
+                _, app, store, resource = item
+                if now < due and _in_flight(store, resource):
+                    waiting.append((due, item))
+                    continue
+                try:
+                    pass_turn(app, store, [resource], by="turn")
+                except LeaseError as exc:
+                    log.warning("celery_lease: turn check of %r at exit failed: %s", resource, exc)
+            left = waiting
+            if left:
+                time.sleep(max(0.0, min(EXIT_POLL, left[0][0] - _clock.monotonic())))
+    except Exception:
+        log.exception("celery_lease: a turn check at exit failed")
+    finally:
+        done.set()
+
+
+def _due(pending: tuple[float, tuple[Any, ...]]) -> float:
+    return pending[0]
+
+
+def _in_flight(store: LeaseStore, resource: str) -> bool:
+    """Whether a wake of ``resource`` is in flight (a waiter woken and not claimed, its grace
+    or polling hold not over); True when the store cannot tell now."""
+    try:
+        return any(waiter.woken for waiter in store.waiters(resource))
+    except LeaseError:
+        return True
+
+
 def _jittered(interval: float) -> float:
     return interval * (1 + PASS_JITTER * (2 * random.random() - 1))
 
@@ -384,6 +501,16 @@ def get_waker() -> Waker:
         if _waker is None or _waker._pid != getpid():
             _waker = Waker()
         return _waker
+
+
+def drain_turns(on_wait: Callable[[float], None] | None = None) -> bool:
+    """Run this process's pending turn checks before it exits (:meth:`Waker.drain`): a
+    prefork pool process on its way out, the CLI, a script that called ``release_lease`` or
+    ``force_release``. At once (True) when it has none."""
+    waker = _waker
+    if waker is None or waker._pid != getpid():
+        return True
+    return waker.drain(on_wait)
 
 
 def _after_fork_in_child() -> None:

@@ -147,6 +147,31 @@ def _enter_within(events, n, k, since, bound):
     return enter["t"] - since
 
 
+@pytest.mark.parametrize("exit_turns", ["on", "off"])
+def test_a_dropped_head_passes_on_though_the_releasing_pool_process_exits(
+    it_app, start_worker, store_env, events, coord, queue, exit_turns
+):
+    """Prefork with ``--max-tasks-per-child=1``: the pool process that released the holder
+    exits right after it, with the turn check of the wake it sent still pending. It runs the
+    check before it exits (about a grace), so W2 runs about a grace after the holder ends.
+    Negative control (``CL_EXIT_TURNS=0``): the check dies with the process and W2 waits for a
+    pass. Before: W2 started 9-12 s after the holder ended (ttl 30), or at its back-stop."""
+    env = {**store_env("redis"), **NO_PASS}
+    if exit_turns == "off":
+        env["CL_EXIT_TURNS"] = "0"
+    start_worker(env, queue=queue, pool="prefork", extra_args=("--max-tasks-per-child=1",))
+    n = unique("t")
+    go, (w1, _w2) = _held_with_waiters(it_app, events, queue, n, *[it_app.fifo_hold] * 2)
+    _revoke(it_app, w1)
+    ended = _let_go(coord, events, go, n)
+    gap = _enter_within(events, n, 2, ended, BOUND)
+    if exit_turns == "on":
+        assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    else:
+        assert gap is None, f"W2 started {gap:.1f}s after the holder ended, with no turn check"
+    assert not events.where(ev="enter", res=n, k=1), "the dropped waiter ran"
+
+
 @pytest.mark.parametrize("due", ["hold", "grace"])
 def test_a_dropped_polling_head_passes_the_turn_when_its_hold_ends(
     it_app, start_worker, store_env, events, coord, queue, due

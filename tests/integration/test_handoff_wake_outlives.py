@@ -14,6 +14,7 @@ a release does: the head waiter runs in milliseconds, not from its back-stop cop
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import celery_lease
 from celery_lease import Owner
 from tests.conftest import unique
-from tests.integration.harness import ROOT, worker_store
+from tests.integration.harness import ROOT, prepare_store, worker_store
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -145,5 +146,90 @@ def test_a_forced_release_hands_off_as_a_release_does(
         else:  # (the CLI's own start is in it: a Python with Celery, 1-3 s here)
             assert gap < 7.0, f"the waiter started {gap:.1f}s after the eviction"
         assert waiter.get(timeout=30) == 1
+    finally:
+        store.close()
+
+
+#: Passes over the wait lists every 20 s (+-20 %), back-stops a minute late: within the bound
+#: below only a turn check passes the turn on.
+NO_PASS = {**ENV, "CL_TTL": "60"}
+#: From the eviction's start: a Python with Celery starting (1-3 s here), the grace (1 s), the
+#: turn check's slack and W2's trip; a pass would take 16-24 s, a back-stop copy a minute.
+OUTSIDE_BOUND = 8.0
+_SCRIPT = """
+import json, os, sys
+import celery_lease
+from celery_lease import Owner
+from tests.integration import worker_app as wa
+from tests.integration.harness import worker_store
+token, label, fence, resource = json.loads(os.environ["CL_SCRIPT_LEASE"])
+store = worker_store(dict(os.environ))
+lease = store.acquire(resource, Owner(token, label), 120)  # the same claim: the same lease
+assert lease.fence == fence, (lease.fence, fence)
+assert celery_lease.release_lease(lease, app=wa.app)
+print("released")
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "kind", "exit_turns"),
+    [("cli", "redis", "on"), ("script", "postgres", "on"), ("cli", "redis", "off")],
+)
+def test_an_exiting_releaser_checks_its_turn_before_it_exits(
+    it_app, start_worker, store_env, events, queue, how, kind, exit_turns
+):
+    """``celery lease release --force`` (or a script's ``release_lease``) wakes W1, which
+    Celery drops unclaimed (revoked); the process then exits. It runs the turn check of its
+    wake before exiting, so W2 runs about a grace later; the CLI says so in one line while it
+    waits. Negative control (``CL_EXIT_TURNS=0``): the check dies with the process and W2 waits
+    for a pass. Before: W2 started 9-10 s after the eviction (ttl 30: the next pass)."""
+    env = {**store_env(kind), **NO_PASS}
+    if exit_turns == "off":
+        env["CL_EXIT_TURNS"] = "0"
+    if kind == "postgres":
+        prepare_store(env)
+    start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("o")
+    store = worker_store(env)
+    resource = f"fifo-{n}"
+    try:
+        held = store.acquire(resource, Owner.new("an operator's script"), 120)
+        w1 = it_app.fifo_hold.apply_async((n, 1, 0.1), queue=queue)
+        events.wait(ev="retry", task=w1.id)
+        w2 = it_app.fifo_hold.apply_async((n, 2, 0.1), queue=queue)
+        events.wait(ev="retry", task=w2.id)
+        assert it_app.app.control.revoke(w1.id, reply=True, timeout=10, limit=1)
+        if how == "cli":
+            args = ["-m", "celery", "-A", "tests.integration.worker_app", "lease", "release",
+                    resource, "--force", "--yes", "--fence", str(held.fence)]  # fmt: skip
+            extra = {}
+        else:
+            args = ["-c", _SCRIPT]
+            extra = {"CL_SCRIPT_LEASE": json.dumps([held.owner.token, held.owner.label,
+                                                    held.fence, resource])}  # fmt: skip
+        started = time.time()
+        done = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env={**os.environ, **env, **extra, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        try:
+            left = started + OUTSIDE_BOUND - time.time()
+            enter = events.wait(ev="enter", res=n, k=2, timeout=max(0.1, left))
+        except TimeoutError:
+            enter = None
+        if exit_turns == "on":
+            assert enter is not None, f"W2 did not start within {OUTSIDE_BOUND}s"
+        else:
+            assert enter is None, f"W2 started {enter['t'] - started:.1f}s after the eviction"
+        waited = [line for line in done.stderr.splitlines() if "turn" in line]
+        if how == "cli":  # one short line, and only when it waited
+            assert len(waited) == (exit_turns == "on"), done.stderr
+        assert not events.where(ev="enter", res=n, k=1), "the revoked waiter ran"
     finally:
         store.close()

@@ -86,6 +86,10 @@ if env.get("CL_PASS_THE_TURN") == "0":  # the negative control of the turn check
     from celery_lease import _wakes
 
     _wakes.PASS_THE_TURN = False
+if env.get("CL_EXIT_TURNS") == "0":  # negative control: a process exits without its turn checks
+    from celery_lease import _wakes
+
+    _wakes.EXIT_TURNS = False
 if env.get("CL_POLL_TURN_GRACES"):  # negative control: a polling turn checked too early
     from celery_lease import _wakes
 
