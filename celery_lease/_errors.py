@@ -197,9 +197,20 @@ class LeaseLostError(LeaseError):
         reason: str,
         holder_label: str | None = None,
         holder_fence: int | None = None,
+        holder_expired: bool = False,
     ) -> LeaseLostError:
-        """Build the error with a message naming the resource, our fence and the holder."""
-        if holder_label is not None:
+        """Build the error with a message naming the resource, our fence and the holder.
+
+        ``holder_expired``: the owner that took the lease over (``holder_label``,
+        ``holder_fence``) has let it expire too; the message says so and ``holder_label`` is
+        None, as nobody holds the resource now.
+        """
+        if holder_expired and (holder_label is not None or holder_fence is not None):
+            by = "" if holder_label is None else f" by {holder_label!r}"
+            fenced = "" if holder_fence is None else f" (fence {holder_fence})"
+            now = f"; it was taken over{by}{fenced}, whose lease has since expired"
+            holder_label = None
+        elif holder_label is not None:
             now = f"; now held by {holder_label!r}"
             if holder_fence is not None:
                 now += f" with fence {holder_fence}"

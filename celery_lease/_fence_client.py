@@ -14,16 +14,22 @@ through :func:`fenced_request_async`). Re-exported by :mod:`celery_lease.fencing
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._errors import InvalidFenceTokenError, LeaseConfigError, LeaseError, StaleFenceError
 from ._interrupt import raise_if_interrupted
 from ._lease import CURRENT_LEASE, Lease
-from ._names import mask_url, show_value
+from ._names import MAX_FENCE, mask_url, show_value
 
-if TYPE_CHECKING:
-    from .fencing import FenceSigner
+
+class TokenSigner(Protocol):
+    """What the helpers ask of a signer: ``celery_lease.FenceSigner`` (defined with the gates
+    that verify its tokens, above this module)."""
+
+    def sign(self, resource: str, fence: int, *, expires_in: float | None = None) -> str: ...
+
 
 __all__ = [
     "DEFAULT_TOKEN_LIFETIME",
@@ -39,6 +45,9 @@ FENCING_HEADER = "Fencing-Token"
 #: the request to reach the gateway and for the two machines' clocks to differ a little, short
 #: enough that a token copied from a log or a proxy is soon worthless.
 DEFAULT_TOKEN_LIFETIME = 60.0
+#: The longest lifetime a token takes, in seconds (about 31,700 years): its expiry, a Unix time
+#: in whole seconds, must fit the token's 19 digits. None means no expiry.
+_MAX_LIFETIME = 1e12
 
 
 def _lease_or_current(lease: Lease | None, helper: str) -> Lease:
@@ -55,20 +64,40 @@ def _lease_or_current(lease: Lease | None, helper: str) -> Lease:
     return current
 
 
-def _lifetime(expires_in: object) -> float | None:
+def _lifetime(expires_in: object, *, ended_ok: bool = False) -> float | None:
+    """``expires_in`` as float seconds (None: no expiry), or LeaseConfigError naming it.
+
+    A token's lifetime is a finite number of seconds, and a positive one: a lifetime that has
+    already ended would send a token every gateway refuses (``ended_ok``: FenceSigner.sign,
+    which a test may ask for an expired token on purpose).
+    """
     if expires_in is None:
         return None
     if isinstance(expires_in, bool) or not isinstance(expires_in, (int, float)):
         raise LeaseConfigError(
             f"expires_in must be a number of seconds or None, got {show_value(expires_in)}"
         )
-    return float(expires_in)
+    value = float(expires_in)
+    if not math.isfinite(value) or value > _MAX_LIFETIME:
+        raise LeaseConfigError(
+            f"expires_in={show_value(expires_in)} is no lifetime a token can carry: give a "
+            f"finite number of seconds up to {_MAX_LIFETIME:.0e}, or None for a token that "
+            "never expires"
+        )
+    if value <= 0 and not ended_ok:
+        raise LeaseConfigError(
+            f"expires_in={show_value(expires_in)}: a token's lifetime must be > 0 seconds "
+            "(this one would have ended before it is sent, and every gateway would refuse "
+            "it); give the seconds the token stays valid (60 by default), or None for no "
+            "expiry"
+        )
+    return value
 
 
 def fencing_headers(
     lease: Lease | None = None,
     *,
-    signer: FenceSigner | None = None,
+    signer: TokenSigner | None = None,
     expires_in: float | None = None,
 ) -> dict[str, str]:
     """Headers a client sends with a fenced call: ``{"Fencing-Token": ...}``.
@@ -84,9 +113,10 @@ def fencing_headers(
             clock, so leave room for the clocks' difference. None (the default here): the
             token never expires, and a copy of it stays usable for as long as its fence is the
             newest. Without a signer there is no expiry (nothing would stop a caller changing
-            it).
+            it). A finite number above 0 (up to 1e12), or None.
 
     Raises:
+        LeaseConfigError: ``expires_in`` is not finite or not above 0.
         LeaseError: no lease given and none held in this context.
     """
     lease = _lease_or_current(lease, "fencing_headers")
@@ -100,7 +130,7 @@ def fencing_headers(
 def _prepare(
     helper: str,
     lease: Lease | None,
-    signer: FenceSigner | None,
+    signer: TokenSigner | None,
     expires_in: float | None,
     headers: Mapping[str, str] | None,
 ) -> tuple[Lease, dict[str, str]]:
@@ -119,7 +149,7 @@ def fenced_request(
     url: str,
     *,
     lease: Lease | None = None,
-    signer: FenceSigner | None = None,
+    signer: TokenSigner | None = None,
     expires_in: float | None = DEFAULT_TOKEN_LIFETIME,
     headers: Mapping[str, str] | None = None,
     **kwargs: Any,
@@ -154,7 +184,8 @@ def fenced_request(
         signer: sign the token; the gateway then refuses invented fences.
         expires_in: seconds a signed token stays valid (see :func:`fencing_headers`); one is
             signed for every call, so it only has to outlive the request's way to the gateway
-            and the difference between the two clocks. None: never expires.
+            and the difference between the two clocks. None: never expires. A finite number
+            above 0 (up to 1e12), else LeaseConfigError and nothing is sent.
         headers: more headers to send.
         **kwargs: passed on to ``client.request``.
 
@@ -180,7 +211,7 @@ async def fenced_request_async(
     url: str,
     *,
     lease: Lease | None = None,
-    signer: FenceSigner | None = None,
+    signer: TokenSigner | None = None,
     expires_in: float | None = DEFAULT_TOKEN_LIFETIME,
     headers: Mapping[str, str] | None = None,
     **kwargs: Any,
@@ -205,7 +236,8 @@ def raise_for_fence(response: Any, lease: Lease | None = None) -> Any:
         ``response``, when its status is neither 409 nor 403.
 
     Raises:
-        StaleFenceError: on 409.
+        StaleFenceError: on 409; its ``highest`` is the fence the answer's JSON body names as
+            ``{"highest": N}``, else None.
         InvalidFenceTokenError: on 403.
     """
     status = getattr(response, "status_code", None)
@@ -217,18 +249,33 @@ def raise_for_fence(response: Any, lease: Lease | None = None) -> Any:
     what = "its fencing token" if lease is None else f"fence {fence} for {resource!r}"
     where = _where(response)
     if status == 409:
+        highest = _highest_in(response)
+        newer = "a newer fence" if highest is None else f"fence {highest}"
         raise StaleFenceError(
-            f"the gateway refused {what} as stale ({where} answered 409): it accepted a newer "
-            "fence, a newer owner holds the lease; stop acting",
+            f"the gateway refused {what} as stale ({where} answered 409): it accepted {newer}, "
+            "a newer owner holds or held the lease; stop acting",
             resource,
             fence,
-            None,
+            highest,
         )
     raise InvalidFenceTokenError(
         f"the gateway refused {what} ({where} answered 403): the token is missing, malformed, "
         "forged, signed with a key it does not know, expired (check expires_in and both "
         "machines' clocks) or for another resource"
     )
+
+
+def _highest_in(response: Any) -> int | None:
+    """The newer fence a 409's JSON body names (``{"highest": N}``, as the gateways in
+    docs/fencing.md answer), or None: no JSON, no such field, or no fence a store grants."""
+    try:
+        body = response.json()
+    except Exception:  # noqa: BLE001 - any body, any library: the fence is then unknown
+        return None
+    highest = body.get("highest") if isinstance(body, dict) else None
+    if isinstance(highest, bool) or not isinstance(highest, int) or not 0 < highest <= MAX_FENCE:
+        return None
+    return highest
 
 
 def _where(response: Any) -> str:

@@ -15,9 +15,16 @@ Each entry of ``gates=`` (or the ``lease_gates`` attribute of a LeaseTask) is:
 * or a ``(gate, key)`` pair: ``key`` is a ``str.format`` template over the task's arguments, as
   ``resource=`` is (``"account-{account_id}"``), or a callable taking them.
 
+In either form the gate may also be a callable taking no arguments that returns the gate
+(``lambda: gate``), called at each claim: the task then follows whatever that name holds at
+the time, such as a gate a test swapped in (``monkeypatch.setattr(proj, "gate", ...)``).
+
 Entries and templates are checked where the task is defined. At claim time a gate that refuses
 the fence as stale means the lease is stale already (a newer fence was admitted there): the task
-gives the lease back and runs again later, as after a lost lease. A gate that fails in any other
+gives the lease back and runs again later, as after a lost lease; unless the gate's fence is
+higher than any the lease store ever granted for the resource: the gate then outlived its store
+(the store was reset or moved), no later claim would pass it, and the task fails at once with a
+LeaseConfigError saying so. A gate that fails in any other
 way (it cannot be reached) fails the claim's attempt the way a lease store outage does: the
 lease is given back and the task waits on ``lease_store_down_max_wait``.
 
@@ -40,18 +47,19 @@ from . import _outage as outage
 from ._errors import LeaseConfigError, LeaseError, LeaseStoreError, StaleFenceError
 from ._eventlog import lease_log
 from ._lease import Lease
-from ._names import RESOURCE_PATTERN, RESOURCE_RULE, mask_url, show_value
+from ._names import RESOURCE_PATTERN, RESOURCE_RULE, show_value, without_queries
 from ._template import NameTemplate
 from .fencing import FenceGate
 
-__all__ = ["Gate", "Gates", "Refusal", "check_gates"]
+__all__ = ["Gate", "Gates", "GatesSpec", "Refusal", "check_gates"]
 
 #: The fix every refusal of a ``gates=`` entry ends with.
 _FORMS = (
     "each entry is a gate (an object with an admit(key, fence) method, e.g. "
     "FenceGate('postgresql+psycopg://...')), whose key is the resource, or a (gate, key) "
     "pair whose key is a template over the task's arguments like resource= "
-    "(gates=[(gate, 'account-{account_id}')]) or a callable taking them"
+    "(gates=[(gate, 'account-{account_id}')]) or a callable taking them; the gate may also be "
+    "a callable taking no arguments that returns it (gates=[(lambda: gate, ...)])"
 )
 
 
@@ -63,18 +71,44 @@ class Gate(Protocol):
         ...
 
 
+#: What ``gates=`` / ``lease_gates`` takes.
+GatesSpec = Sequence[
+    Gate | Callable[[], Gate] | tuple[Gate | Callable[[], Gate], str | Callable[..., str]]
+]
+
+
 def _is_gate(value: object) -> bool:
     # (a class has its admit as a plain function: FenceGate itself is not a gate, an instance is)
     return not isinstance(value, (type, str, bytes)) and callable(getattr(value, "admit", None))
 
 
+def _is_gate_factory(value: object) -> bool:
+    """A callable taking no arguments (a lambda, a function) that is no gate and no class: it
+    returns the gate at each claim."""
+    if isinstance(value, (type, str, bytes)) or _is_gate(value) or not callable(value):
+        return False
+    try:
+        inspect.signature(value).bind()
+    except TypeError:  # it needs arguments
+        return False
+    except ValueError:  # (no signature to read: a builtin) let the call tell
+        return True
+    return True
+
+
 def gate_label(gate: object) -> str:
     """How messages, log lines and the outage report name a gate: its class, and its URL
-    (password masked) when it has one. Never its repr, which a client of the user's may fill
-    with a token."""
+    (password masked, query string left out: a gateway's API key may ride there under any
+    name) when it has one. Never its repr, which a client of the user's may fill with a
+    token."""
     url = getattr(gate, "url", None)
     name = type(gate).__qualname__
-    return f"{name}({mask_url(url)})" if isinstance(url, str) else name
+    return f"{name}({without_queries(url)})" if isinstance(url, str) else name
+
+
+def _factory_label(factory: object) -> str:
+    """How a message names a gate factory that returned no gate: its qualified name."""
+    return f"{getattr(factory, '__qualname__', type(factory).__qualname__)}()"
 
 
 def _entries(spec: object, task: str) -> list[tuple[Any, str | Callable[..., Any] | None]]:
@@ -89,12 +123,12 @@ def _entries(spec: object, task: str) -> list[tuple[Any, str | Callable[..., Any
     entries: list[tuple[Any, str | Callable[..., Any] | None]] = []
     for index, entry in enumerate(spec):
         where = f"task {task!r}: gates[{index}]"
-        if _is_gate(entry):
+        if _is_gate(entry) or _is_gate_factory(entry):
             entries.append((entry, None))
             continue
         if isinstance(entry, (tuple, list)) and len(entry) == 2:
             gate, key = entry
-            if not _is_gate(gate):
+            if not (_is_gate(gate) or _is_gate_factory(gate)):
                 instance = "; list an instance of it" if isinstance(gate, type) else ""
                 raise LeaseConfigError(
                     f"{where} pairs {show_value(gate)} with a key, but it is no gate (it has no "
@@ -134,10 +168,24 @@ def check_gates(spec: object, signature: inspect.Signature | None, task: str) ->
 
 @dataclass(frozen=True)
 class _Entry:
-    gate: Any
+    gate: Any  # the gate, or (factory) the callable that returns it at each claim
     key: NameTemplate | None  # None: the resource
     label: str
     strict: bool  # a FenceGate: its keys follow the resource-name rule
+    factory: bool = False
+
+    def resolved(self, task: str) -> _Entry:
+        """This entry with its gate: a factory's is asked for now (LeaseConfigError when what
+        it returns is no gate)."""
+        if not self.factory:
+            return self
+        gate = self.gate()
+        if not _is_gate(gate):
+            raise LeaseConfigError(
+                f"task {task!r}: the gates= entry {self.label} returned {show_value(gate)}, "
+                f"which is no gate (it has no admit(key, fence) method); {_FORMS}"
+            )
+        return _Entry(gate, self.key, gate_label(gate), isinstance(gate, FenceGate))
 
 
 @dataclass(frozen=True)
@@ -169,8 +217,9 @@ class Gates:
             _Entry(
                 gate,
                 None if key is None else NameTemplate(key, signature, "gate key", task),
-                gate_label(gate),
+                gate_label(gate) if _is_gate(gate) else _factory_label(gate),
                 isinstance(gate, FenceGate),
+                not _is_gate(gate),
             )
             for gate, key in _entries(spec, task)
         )
@@ -185,7 +234,8 @@ class Gates:
                 FenceGate's key is not a valid name.
         """
         keyed = []
-        for entry in self.entries:
+        for compiled in self.entries:
+            entry = compiled.resolved(self.task)  # (a factory's gate, asked for at each claim)
             if entry.key is None:
                 keyed.append((entry, resource))
                 continue
@@ -220,14 +270,16 @@ class Gates:
             except LeaseConfigError as exc:
                 error = LeaseConfigError(
                     f"task {self.task!r}: fence gate {entry.label} refused key {key!r} or fence "
-                    f"{lease.fence} as invalid ({exc}); give the gate a key it takes "
+                    f"{lease.fence} as invalid ({without_queries(exc)}); give the gate a key it "
+                    "takes "
                     "(gates=[(gate, 'a-key-template-{argument}')])"
                 )
                 return self._refused(entry, key, lease, task_id, error, "config")
             except Exception as exc:  # noqa: BLE001 - any failure of the user's gate: not admitted
                 error = LeaseStoreError(
                     f"fence gate {entry.label} did not admit fence {lease.fence} for key "
-                    f"{key!r} of {lease.resource!r} ({type(exc).__name__}: {exc}); the lease "
+                    f"{key!r} of {lease.resource!r} ({type(exc).__name__}: "
+                    f"{without_queries(exc)}); the lease "
                     "was given back and the claim is tried again as on a lease store outage",
                     isinstance(exc, LeaseStoreError) and exc.refused,
                 )

@@ -27,6 +27,7 @@ from urllib.parse import unquote
 from ._errors import LeaseConfigError
 
 __all__ = [
+    "MAX_FENCE",
     "MAX_LABEL_LENGTH",
     "MAX_RESOURCE_LENGTH",
     "RESOURCE_PATTERN",
@@ -42,6 +43,12 @@ __all__ = [
 ]
 
 MAX_RESOURCE_LENGTH = 200
+#: The largest fence any store takes from a caller (2**53 - 1). Redis compares fences in Lua,
+#: whose numbers are doubles: above 2**53 two fences can compare equal (an older one would be
+#: admitted after a newer one), so every store refuses them alike. The fences the stores grant
+#: stay far below: SQL and memory count from 1, and a Redis fence is about the server clock in
+#: microseconds (2**53 us after 1970 is in the year 2255).
+MAX_FENCE = 2**53 - 1
 MAX_LABEL_LENGTH = 200
 RESOURCE_RULE = "1..200 characters from A-Z a-z 0-9 and _ . : / - (no spaces, braces or globs)"
 _RESOURCE_RE = re.compile(r"[A-Za-z0-9_.:/\-]{1,200}")
@@ -76,13 +83,20 @@ def validate_resource(resource: object) -> str:
 
 
 def validate_fence(fence: object, shown: object = None) -> int:
-    """Return ``fence`` if it is an integer (not a bool), else raise LeaseConfigError.
+    """Return ``fence`` if it is an integer (not a bool) of at most :data:`MAX_FENCE`, else
+    raise LeaseConfigError.
 
     ``shown`` is what the message quotes (the caller's argument, e.g. a lease), default ``fence``.
     """
     if isinstance(fence, bool) or not isinstance(fence, int):
         quoted = fence if shown is None else shown
         raise LeaseConfigError(f"a fence is an integer, got {show_value(quoted)}")
+    if fence > MAX_FENCE:
+        raise LeaseConfigError(
+            f"fence {fence} is above {MAX_FENCE} (2**53 - 1), the largest fence a store "
+            "compares exactly (Redis compares fences as doubles); no store grants one that "
+            "large: pass the fence the lease store granted (lease.fence)"
+        )
     return fence
 
 
@@ -214,6 +228,24 @@ def _password_span(text: str) -> tuple[int, int] | None:
     if colon < 0:  # a ':' anywhere before the last '@' may start a password: mask it
         return None
     return colon + 1, at
+
+
+#: A query or fragment after a URL or an absolute path (up to a space or quote), as a driver's
+#: or HTTP client's error quotes it: ``for url: http://h/x?api_key=...``, ``url: /x?api_key=``.
+_QUERY_IN_TEXT = re.compile(r"((?:[A-Za-z][A-Za-z0-9+.\-]*://|/)[^\s?#'\"<>]*)[?#][^\s'\"<>]*")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S+")
+
+
+def without_queries(text: object) -> str:
+    """``text`` with every query string and fragment after a URL or an absolute path left out
+    and every URL's password masked: for a URL or an error message of the user's (a gate's
+    client), whose query may carry an API key under any name (``?api_key=``, ``?key=``)."""
+    shown = str(text)
+    if "?" in shown or "#" in shown:
+        shown = _QUERY_IN_TEXT.sub(r"\1", shown)
+    if "://" in shown and "@" in shown:
+        shown = _URL_IN_TEXT.sub(lambda m: mask_url(m.group(0)), shown)
+    return shown
 
 
 def mask_url(url: object) -> str:

@@ -202,7 +202,7 @@ def on_task_failure(
     fence = holder = resource = None
     try:
         resource = resource_for(tuple(args or ()), dict(kwargs or {}))
-        info = compiled().current_store(task=sender).get(resource)
+        info = compiled().current_store().get(resource)
     except LeaseError as exc:
         fields["lease"] = f"not read: {exc}"
     else:

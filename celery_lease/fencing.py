@@ -39,6 +39,7 @@ from . import _events as events
 from ._errors import InvalidFenceTokenError, LeaseConfigError, StaleFenceError
 from ._fence_client import (
     FENCING_HEADER,
+    _lifetime,
     fenced_request,
     fenced_request_async,
     fencing_headers,
@@ -47,6 +48,7 @@ from ._fence_client import (
 from ._interrupt import raise_if_interrupted, shielded
 from ._lease import Lease
 from ._names import (
+    MAX_FENCE,
     RESOURCE_PATTERN,
     RESOURCE_RULE,
     mask_url,
@@ -73,8 +75,9 @@ __all__ = [
 ]
 
 _KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
-#: Fences are 64-bit on every store (SQL BIGINT); a larger one is no fence we issued.
-_MAX_FENCE = 2**63 - 1
+#: No store takes a larger fence (Redis compares fences as doubles; see _names.MAX_FENCE): a
+#: token carrying one is refused as invalid, the same bound as FenceGate.admit's.
+_MAX_FENCE = MAX_FENCE
 # Every part of a token is checked against an ASCII-only pattern before it is converted or
 # compared: int() accepts '²'-like digits and raises past 4300 digits, hmac.compare_digest
 # raises TypeError on non-ASCII text, b64decode and .decode() raise on junk. A gateway must
@@ -407,7 +410,8 @@ def fenced_hset(
         fence: the writer's fence, or its :class:`Lease`.
         fence_field: the hash field that keeps the fence.
         store: the :class:`~celery_lease.stores.RedisLeaseStore` that granted the lease, on
-            ``client``'s server. On a cluster ``key`` must be in the slot of the resource's
+            ``client``'s server and database (a client elsewhere is refused: the script would
+            find no grants there). On a cluster ``key`` must be in the slot of the resource's
             keys: put the store's hash tag for the resource in it,
             ``f"app:{store.hash_tag(lease.resource)}:doc"``. A lease store elsewhere (SQL,
             another server) cannot be read in the same script: admit through
@@ -417,8 +421,9 @@ def fenced_hset(
     Raises:
         StaleFenceError: the hash carries a newer fence, or the store granted a newer one;
             nothing was written.
-        LeaseConfigError: ``mapping`` holds the fence field; ``store`` is no Redis lease store,
-            the resource is unknown or not the lease's, or (cluster) ``key`` is in another slot.
+        LeaseConfigError: ``mapping`` holds the fence field; ``store`` is no Redis lease store
+            or is on another server, database or cluster than ``client``, the resource is
+            unknown or not the lease's, or (cluster) ``key`` is in another slot.
     """
     value = _fence_of(fence)
     if fence_field in mapping:
@@ -454,6 +459,7 @@ def _redis_fences_key(store: LeaseStore, client: Any, key: str, resource: str) -
             "store elsewhere, admit the fence with FenceGate(store=lease_store).admit(...) "
             "right before the write"
         )
+    _check_same_redis(store, client)
     fences = store._fences_key(resource)
     keyslot = getattr(client, "keyslot", None)  # (a cluster client's; one slot per script)
     if keyslot is not None and keyslot(key) != keyslot(fences):
@@ -463,6 +469,62 @@ def _redis_fences_key(store: LeaseStore, client: Any, key: str, resource: str) -
             f"'app:{store.hash_tag(resource)}:...' (store.hash_tag(resource))"
         )
     return fences
+
+
+#: run_id of the server each client talks to (asked only when two clients name their server
+#: differently: one server may have many names).
+_run_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _redis_where(client: Any) -> tuple[str, tuple[Any, ...] | None, int | None]:
+    """How a message names ``client``'s server, its address (None when the client names none:
+    a Sentinel pool) and its database (None on a cluster)."""
+    nodes = getattr(client, "get_nodes", None)
+    if nodes is not None:  # a cluster: its nodes, no database
+        found = tuple(sorted((str(n.host), int(n.port)) for n in nodes()))
+        return "Redis Cluster " + ",".join(f"{h}:{p}" for h, p in found), found, None
+    options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    db = int(options.get("db") or 0)
+    if options.get("path"):
+        return f"unix://{options['path']} db {db}", ("unix", options["path"]), db
+    if options.get("host") is not None:
+        host, port = str(options["host"]), int(options.get("port") or 6379)
+        return f"{host}:{port} db {db}", (host, port), db
+    return f"{type(client).__name__} db {db}", None, db
+
+
+def _run_id(client: Any) -> str:
+    found = _run_ids.get(client)
+    if found is None:
+        with shielded():
+            found = _run_ids[client] = str(client.info("server").get("run_id", ""))
+    return found
+
+
+def _check_same_redis(store: Any, client: Any) -> None:
+    """Refuse a data client on another server, cluster or database than the lease store's:
+    the script would read a fences hash that is not there and skip the grant check."""
+    if client is store.client:
+        return
+    mine, mine_at, mine_db = _redis_where(client)
+    theirs, theirs_at, theirs_db = _redis_where(store.client)
+    if store.cluster != hasattr(client, "get_nodes"):
+        same = False
+    elif store.cluster:  # one cluster: a node in common
+        same = bool(set(mine_at or ()) & set(theirs_at or ()))
+    else:
+        same = mine_db == theirs_db and (
+            (mine_at is not None and mine_at == theirs_at)
+            or _run_id(client) == _run_id(store.client)
+        )
+    if not same:
+        raise LeaseConfigError(
+            f"fenced_hset(store=...): the data client is on {mine}, the lease store {store.url} "
+            f"on {theirs}; the script reads the store's grants next to the data, so it would "
+            "find none there and let a stale fence through. Pass a client on the lease store's "
+            "server and database (e.g. the store's own, store.client), or admit the fence with "
+            "FenceGate(store=lease_store).admit(...) right before the write"
+        )
 
 
 def fenced_set(
@@ -528,8 +590,10 @@ class FenceSigner:
                 refuses it once a newer owner's fence reached the gateway.
         """
         validate_resource(resource)
+        fence = validate_fence(fence)  # (verify() refuses a larger one)
+        lifetime = _lifetime(expires_in, ended_ok=True)
         # (never 0, which means "no expiry": a lifetime that already ended stays ended)
-        expiry = 0 if expires_in is None else max(1, int(_clock.wall() + expires_in))
+        expiry = 0 if lifetime is None else max(1, int(_clock.wall() + lifetime))
         encoded = base64.urlsafe_b64encode(resource.encode()).decode().rstrip("=")
         payload = f"v1.{self.active}.{encoded}.{int(fence)}.{expiry}"
         return f"{payload}.{self._mac(self.active, payload)}"
@@ -576,18 +640,23 @@ class FenceSigner:
 
 
 def token_from_request(request: Any) -> str | None:
-    """The Fencing-Token header from a WSGI environ, an ASGI scope or a headers mapping."""
-    if isinstance(request, Mapping):
-        if "HTTP_FENCING_TOKEN" in request:  # WSGI environ
-            return str(request["HTTP_FENCING_TOKEN"])
-        if request.get("type") in ("http", "websocket") and "headers" in request:  # ASGI scope
-            for name, value in request["headers"]:
-                if name.decode("latin-1").lower() == FENCING_HEADER.lower():
-                    return str(value.decode("latin-1"))
-            return None
-        for name, value in request.items():  # plain headers
-            if str(name).lower() == FENCING_HEADER.lower():
-                return str(value)
+    """The Fencing-Token header from a WSGI environ, an ASGI scope, a headers mapping, or any
+    headers object with a ``get(name)`` method (``http.server``'s ``self.headers``, an
+    ``email.message.Message``: case-insensitive)."""
+    if not isinstance(request, Mapping):  # (an HTTPMessage is no Mapping)
+        get = getattr(request, "get", None)
+        value = get(FENCING_HEADER) if callable(get) else None
+        return None if value is None else str(value)
+    if "HTTP_FENCING_TOKEN" in request:  # WSGI environ
+        return str(request["HTTP_FENCING_TOKEN"])
+    if request.get("type") in ("http", "websocket") and "headers" in request:  # ASGI scope
+        for name, value in request["headers"]:
+            if name.decode("latin-1").lower() == FENCING_HEADER.lower():
+                return str(value.decode("latin-1"))
+        return None
+    for name, value in request.items():  # plain headers
+        if str(name).lower() == FENCING_HEADER.lower():
+            return str(value)
     return None
 
 
@@ -602,7 +671,9 @@ def check_fencing_token(
     """Admit the request's fencing token through ``gate``; usable in any WSGI/ASGI app.
 
     Args:
-        request: a WSGI environ, an ASGI scope, a headers mapping, or the header's value.
+        request: a WSGI environ, an ASGI scope, a headers mapping, any headers object with a
+            case-insensitive ``get`` (``http.server``'s ``self.headers``), or the header's
+            value.
         gate: where the highest admitted fence per key lives.
         key: the gate key (default: the token's resource).
         resource: when given, the token must name this resource.

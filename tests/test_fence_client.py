@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -78,16 +79,23 @@ def gateway(app) -> Iterator[SimpleNamespace]:
     """A tool gateway on loopback checking tokens through a gate on the app's lease store.
 
     ``signed`` (a mutable flag) makes it require signed tokens; ``actions`` lists the fences of
-    the calls it acted on, ``tokens`` every header it received.
+    the calls it acted on, ``tokens`` every header it received. ``json_409`` makes a 409's body
+    ``{"highest": N}`` (the newer fence; ``bad_highest`` replaces N), else plain text.
     """
     gate = FenceGate(store=get_store(app))
-    state = SimpleNamespace(actions=[], tokens=[], signed=True, url="")
+    state = SimpleNamespace(
+        actions=[], tokens=[], signed=True, url="", json_409=False, bad_highest=None
+    )
 
     def wsgi(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         state.tokens.append(environ.get("HTTP_FENCING_TOKEN"))
         try:
             fence = check_fencing_token(environ, gate, signer=SIGNER if state.signed else None)
         except StaleFenceError as exc:
+            if state.json_409:
+                highest = exc.highest if state.bad_highest is None else state.bad_highest
+                start_response("409 Conflict", [("Content-Type", "application/json")])
+                return [json.dumps({"highest": highest}).encode()]
             start_response("409 Conflict", [("Content-Type", "text/plain")])
             return [str(exc).encode()]
         except InvalidFenceTokenError as exc:
@@ -177,6 +185,76 @@ class TestFencedRequest:
         assert isinstance(result.result, LeaseLostError) and result.result.reason == "stale_fence"
         assert after == [] and gateway.actions == []
 
+    @pytest.mark.parametrize("body", ["json", "text"])
+    def test_the_stale_fence_line_names_the_newer_fence_after_its_owner_released(
+        self, app, gateway, client, caplog, body
+    ):
+        """The newer owner claimed, acted and released before the old one's call: its 409
+        still names the newer fence in the stale_fence line, from the answer's body
+        ``{"highest": N}`` or else from the store's newest granted fence (nobody holds the
+        lease to read it from)."""
+        gateway.json_409 = body == "json"
+        newer: list[Any] = []
+
+        @lease_task(app=app, resource="browser/account-{n}", name=unique("act"))
+        def act(n: int) -> None:
+            newer.append(_take_over(app, current_lease().resource))
+            gateway_call = fencing_headers(newer[0], signer=SIGNER)  # the newer owner acts
+            assert client.request("POST", gateway.url, headers=gateway_call).status_code == 200
+            get_store(app).release(newer[0])  # ... and is done
+            fenced_request(client, "POST", gateway.url, json={}, signer=SIGNER)
+
+        with caplog.at_level("WARNING", logger="celery_lease"):
+            result = act.apply((7,))
+        assert isinstance(result.result, LeaseLostError)
+        assert get_store(app).get("browser/account-7") is None  # nobody holds it now
+        lines = [r.getMessage() for r in caplog.records if "] stale_fence: " in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert f"newer_fence={newer[0].fence}" in lines[0]
+
+    def test_a_newer_owner_whose_lease_expired_is_not_named_the_holder(self):
+        """A 409 with no fence in its body, read against the store: a newer owner whose lease
+        ran out too gives its fence but no holder (it holds nothing); while it is live (the
+        control), both."""
+        from celery_lease._outcomes import newer_holder as _newer_holder
+        from celery_lease.stores import MemoryLeaseStore
+        from tests.tooling.servers import wait_for
+
+        store = MemoryLeaseStore()
+        old = store.acquire("doc/12", Owner.new("old"), 0.05)
+        wait_for(lambda: store.get("doc/12").expired, 5, "the old lease to expire")
+        newer = store.acquire("doc/12", Owner.new("newer"), 0.05)
+        refused = StaleFenceError("409", "doc/12", old.fence, None)
+        assert _newer_holder(old, refused) == (newer.fence, "newer")
+        wait_for(lambda: store.get("doc/12").expired, 5, "the newer lease to expire")
+        assert _newer_holder(old, refused) == (newer.fence, None)
+
+    def test_a_409_body_names_the_newer_fence_only_when_it_is_a_fence(self, app, gateway, client):
+        """``{"highest": N}`` sets StaleFenceError.highest; a string, a bool, 0 or a number past
+        any fence is ignored (highest None), as is a body that is no JSON."""
+        lease = get_store(app).acquire("doc/11", Owner.new(), 30)
+        newer = _take_over(app, "doc/11")
+        assert (
+            client.request(
+                "POST", gateway.url, headers=fencing_headers(newer, signer=SIGNER)
+            ).status_code
+            == 200
+        )
+        gateway.json_409 = True
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_request(client, "POST", gateway.url, lease=lease, signer=SIGNER)
+        assert caught.value.highest == newer.fence
+        assert f"it accepted fence {newer.fence}" in str(caught.value)
+        for bad in ("12", True, 0, 2**63):
+            gateway.bad_highest = bad
+            with pytest.raises(StaleFenceError) as caught:
+                fenced_request(client, "POST", gateway.url, lease=lease, signer=SIGNER)
+            assert caught.value.highest is None, bad
+        gateway.json_409 = False
+        with pytest.raises(StaleFenceError) as caught:
+            fenced_request(client, "POST", gateway.url, lease=lease, signer=SIGNER)
+        assert caught.value.highest is None
+
     def test_negative_control_without_the_check_the_body_goes_on(self, app, gateway, client):
         """The same call with the headers alone: the gateway answers 409 too, but nothing
         stops the body, which goes on acting, and the task ends in SUCCESS."""
@@ -263,8 +341,9 @@ class TestTokenExpiry:
         """A token whose lifetime ended (here: before it was sent) is refused by the gateway
         and raises InvalidFenceTokenError; the gateway did not act."""
         lease = get_store(app).acquire("doc/4", Owner.new(), 30)
+        expired = {FENCING_HEADER: SIGNER.sign(lease.resource, lease.fence, expires_in=-5)}
         with pytest.raises(InvalidFenceTokenError, match="expired"):
-            fenced_request(client, "GET", gateway.url, lease=lease, signer=SIGNER, expires_in=-5)
+            raise_for_fence(client.request("GET", gateway.url, headers=expired), lease)
         assert gateway.actions == []
         token = gateway.tokens[-1]
         with pytest.raises(InvalidFenceTokenError, match="expired"):
@@ -282,6 +361,43 @@ class TestTokenExpiry:
         with pytest.raises(LeaseConfigError, match="expires_in"):
             fenced_request(client, "GET", gateway.url, lease=lease, signer=SIGNER, expires_in="60")
         assert gateway.tokens == []
+
+    @pytest.mark.parametrize(
+        ("value", "shown"),
+        [
+            (float("inf"), "inf"),
+            (float("nan"), "nan"),
+            (1e20, "1e+20"),
+            (-5, "-5"),
+            (0, "0:"),
+            (-0.5, "-0.5"),
+        ],
+    )
+    def test_a_lifetime_no_token_can_carry_is_refused_naming_it(
+        self, app, client, gateway, value, shown
+    ):
+        """inf and nan (before: a bare OverflowError / ValueError), one past what a token's
+        expiry holds, and one that ended before the token is sent (before: sent anyway, and
+        refused by every gateway): a LeaseConfigError naming the value, and nothing sent."""
+        lease = get_store(app).acquire(unique("doc/"), Owner.new(), 30)
+        for call in (
+            lambda: fenced_request(
+                client, "GET", gateway.url, lease=lease, signer=SIGNER, expires_in=value
+            ),
+            lambda: fencing_headers(lease, signer=SIGNER, expires_in=value),
+            lambda: fencing_headers(lease, expires_in=value),
+        ):
+            with pytest.raises(LeaseConfigError, match=re.escape(f"expires_in={shown}")):
+                call()
+        assert gateway.tokens == []
+
+    def test_a_signer_refuses_a_lifetime_that_is_not_finite(self):
+        """FenceSigner.sign may be asked for an expired token (tests do), never a non-finite
+        or out-of-range one."""
+        for value in (float("inf"), float("nan"), 1e20):
+            with pytest.raises(LeaseConfigError, match="expires_in="):
+                SIGNER.sign("doc/9", 1, expires_in=value)
+        assert SIGNER.sign("doc/9", 1, expires_in=10**9).count(".") == 5  # the longest kind
 
 
 def test_httpx_async_client(app, gateway):

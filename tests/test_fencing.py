@@ -38,7 +38,7 @@ from celery_lease.fencing import (
     fencing_headers,
     token_from_request,
 )
-from celery_lease.stores import MemoryLeaseStore
+from celery_lease.stores import MemoryLeaseStore, store_from_url
 from tests.conftest import unique
 
 
@@ -430,6 +430,91 @@ class TestRedisFencedWritesWithTheLeaseStore:
         assert fenced_get(store.client, key) == (None, None)
 
 
+class TestRedisFencedWritesOnAnotherDatabase:
+    """``store=`` with a data client elsewhere than the lease store: refused, since the script
+    would read a fences hash that is not there and let the stale write through."""
+
+    @staticmethod
+    def _client(store, db=None, host=None):
+        options = store.client.connection_pool.connection_kwargs
+        return redis.Redis(
+            host=host or options["host"],
+            port=options["port"],
+            db=options["db"] if db is None else db,
+        )
+
+    def test_a_client_on_another_database_is_refused(self, redis_server):
+        """The reviewer's case: leases in db 0, the data in db 1; nothing is written."""
+        store = store_from_url(
+            redis_server.url.rsplit("/", 1)[0] + "/0", key_prefix=unique("cl") + ":"
+        )
+        try:
+            resource = unique("acct/")
+            old, newer = _old_and_newer(store, resource)
+            data = self._client(store, db=1)
+            key = unique("dash:")
+            with pytest.raises(LeaseConfigError) as caught:
+                fenced_set(data, key, "stale", old, store=store)
+            message = str(caught.value)
+            assert "db 1" in message and "db 0" in message and "store.client" in message
+            assert data.exists(key) == 0
+            with pytest.raises(LeaseConfigError, match="db 1"):
+                fenced_hset(data, key, {"x": "1"}, newer, store=store)
+        finally:
+            store.close()
+
+    def test_control_a_client_on_the_same_database_is_checked(self, redis_server):
+        """Another client on the store's server and database (also named "localhost" where
+        the store says 127.0.0.1): the stale write is refused by the grant check, the newer
+        owner's lands."""
+        store = store_from_url(redis_server.url, key_prefix=unique("cl") + ":")
+        try:
+            resource = unique("acct/")
+            old, newer = _old_and_newer(store, resource)
+            for client in (self._client(store), self._client(store, host="localhost")):
+                key = unique("dash:")
+                with pytest.raises(StaleFenceError) as caught:
+                    fenced_set(client, key, "stale", old, store=store)
+                assert caught.value.highest == newer.fence
+                assert fenced_set(client, key, "v", newer, store=store) == newer.fence
+        finally:
+            store.close()
+
+    def test_negative_control_without_the_check_the_stale_write_lands(self, redis_server):
+        """What the refusal prevents: the script on db 1 finds no fences hash, so it takes the
+        old owner's write (the same script, called without the location check)."""
+        from celery_lease import fencing
+
+        store = store_from_url(redis_server.url, key_prefix=unique("cl") + ":")
+        try:
+            old, _ = _old_and_newer(store, unique("acct/"))
+            data = self._client(store, db=1)
+            key = unique("dash:")
+            script = data.register_script(fencing._SET_SCRIPT)
+            fences = store._fences_key(old.resource)
+            assert (
+                script(keys=[key, fences], args=[old.fence, "fence", old.resource, "value", "x"])[0]
+                == 1
+            )
+            assert fenced_get(data, key) == (b"x", old.fence)
+        finally:
+            store.close()
+
+    def test_a_single_server_client_with_a_cluster_store_is_refused(self, request, tmp_path):
+        """A client of one server given a Redis Cluster's store: refused, naming the cluster."""
+        from tests.conftest import make_store
+
+        store = make_store("redis_cluster", request, tmp_path)
+        try:
+            resource = unique("doc/")
+            lease = store.acquire(resource, Owner.new(), 30)
+            single = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+            with pytest.raises(LeaseConfigError, match="Redis Cluster"):
+                fenced_set(single, f"app:{store.hash_tag(resource)}:x", "v", lease, store=store)
+        finally:
+            store.close()
+
+
 class TestRedisFencedWrites:
     def test_fenced_set_and_hset(self, redis_server):
         """Writes carry the fence; an older fence is refused and the value stays."""
@@ -532,6 +617,7 @@ class TestTokenParsingNeverCrashes:
     @example("acct-1;\u0663")  # ARABIC-INDIC DIGIT THREE: isdigit() and int() accept it
     @example("acct-1;" + "9" * 5000)  # past int()'s digit limit
     @example("acct-1;" + "9" * 30)  # past any store's 64-bit fence
+    @example(f"acct-1;{2**53}")  # past the fences Redis compares exactly
     @example(";5")  # no resource
     @example("acct 1;5")  # not a resource name
     @example("acct-1;-5")
@@ -541,7 +627,7 @@ class TestTokenParsingNeverCrashes:
         outcome = self._outcome({FENCING_HEADER: token})
         if outcome != "refused":
             raw = token.rpartition(";")[2]
-            assert raw.isascii() and raw.isdigit() and outcome == int(raw) < 2**63
+            assert raw.isascii() and raw.isdigit() and outcome == int(raw) < 2**53
 
     @settings(max_examples=300, deadline=None, database=None)
     @given(part=st.integers(0, 5), text=st.text())
@@ -576,8 +662,8 @@ class TestTokenParsingNeverCrashes:
     def test_a_token_for_a_well_formed_resource_still_passes(self):
         """The stricter parser keeps admitting what fencing_headers and sign() produce."""
         assert self._outcome({FENCING_HEADER: "browser/acct-42:x_y.z;12"}) == 12
-        token = self.SIGNER.sign("browser/acct-42", 2**63 - 1, expires_in=60)
-        assert self._outcome(token, signer=self.SIGNER) == 2**63 - 1
+        token = self.SIGNER.sign("browser/acct-42", 2**53 - 1, expires_in=60)
+        assert self._outcome(token, signer=self.SIGNER) == 2**53 - 1
 
 
 class _no_error:
@@ -638,3 +724,152 @@ def test_a_wsgi_tool_gateway_rejects_a_stale_owner_over_http():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_stdlib_http_server_gateway_reads_its_headers_object():
+    """``check_fencing_token(self.headers, ...)`` in a ``http.server`` handler: its
+    ``HTTPMessage`` (no Mapping, case-insensitive ``get``) is read, whatever case the client
+    wrote the header in; the newest owner passes, the stale one gets 409, no header 403."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    gate = FenceGate("memory://")
+    actions, refusals = [], []
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_POST(self):
+            try:
+                fence = check_fencing_token(self.headers, gate, resource="browser-1")
+            except StaleFenceError:
+                status = 409
+            except InvalidFenceTokenError as exc:
+                refusals.append(str(exc))
+                status = 403
+            else:
+                actions.append(fence)
+                status = 200
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        store = MemoryLeaseStore()
+        old = store.acquire("browser-1", Owner.new("old"), 30)
+        store.force_release("browser-1")
+        new = store.acquire("browser-1", Owner.new("new"), 30)
+
+        def call(headers):
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{server.server_port}/act", data=b"", headers=headers
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert call(fencing_headers(new)) == 200
+        assert call({"fencing-token": f"browser-1;{new.fence}"}) == 200  # any case
+        assert call(fencing_headers(old)) == 409
+        assert call({}) == 403  # the control: a request without the header
+        assert actions == [new.fence, new.fence]
+        assert refusals == ["the request carries no Fencing-Token header"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_token_from_request_reads_any_headers_object_with_get():
+    """An ``email.message.Message`` (what ``http.server`` hands a handler) is read through
+    its case-insensitive ``get``; one without the header gives None."""
+    from email.message import Message
+
+    headers = Message()
+    headers["FENCING-TOKEN"] = "acct-1;7"
+    assert token_from_request(headers) == "acct-1;7"
+    assert token_from_request(Message()) is None
+
+
+_BOUND = 2**53 - 1  # the largest fence every store compares exactly
+
+
+@pytest.fixture(params=["memory", "redis", "sqlite", "postgres"])
+def any_store(request, tmp_path):
+    from tests.conftest import make_store
+
+    store = make_store(request.param, request, tmp_path)
+    yield store
+    store.close()
+
+
+class TestFenceBound:
+    """Fences above 2**53 - 1 are refused alike by every store and helper: Redis compares them
+    as Lua doubles, where an older fence can compare equal to a newer one."""
+
+    def test_negative_control_lua_cannot_tell_two_fences_apart_above_2_53(self, redis_server):
+        """What the bound guards against: Redis's Lua sees 2**60 + 100 > 2**60 + 1 as false."""
+        client = redis.Redis.from_url(redis_server.url)
+        compare = "return tonumber(ARGV[1]) > tonumber(ARGV[2]) and 1 or 0"
+        assert client.eval(compare, 0, 2**60 + 100, 2**60 + 1) == 0
+        assert client.eval(compare, 0, _BOUND, _BOUND - 1) == 1  # exact up to the bound
+
+    def test_every_gate_refuses_a_fence_past_the_bound(self, any_store):
+        """FenceGate.admit and the store's own gate_admit name the fence and the bound; at the
+        bound an older fence is still refused, as below it."""
+        gate = FenceGate(store=any_store)
+        key = unique("k-")
+        for big in (_BOUND + 1, 2**60 + 100, 2**63 - 1):
+            with pytest.raises(LeaseConfigError, match=rf"fence {big} is above {_BOUND}"):
+                gate.admit(key, big)
+            with pytest.raises(LeaseConfigError, match=str(big)):
+                any_store.gate_admit(key, big)
+        assert gate.highest(key) is None  # nothing was admitted
+        assert gate.admit(key, _BOUND) == _BOUND
+        with pytest.raises(StaleFenceError) as caught:
+            gate.admit(key, _BOUND - 1)
+        assert caught.value.highest == _BOUND
+        assert gate.highest(key) == _BOUND
+
+    def test_force_release_refuses_a_fence_past_the_bound(self, any_store):
+        resource = unique("r/")
+        any_store.acquire(resource, Owner.new(), 30)
+        with pytest.raises(LeaseConfigError, match=str(_BOUND)):
+            any_store.force_release(resource, fence=_BOUND + 1)
+        assert any_store.get(resource) is not None
+
+    def test_fenced_set_refuses_a_fence_past_the_bound(self, redis_server):
+        """The reviewer's sequence (2**60 + 100, then 2**60 + 1) writes nothing at all."""
+        client = redis.Redis.from_url(redis_server.url)
+        key = unique("doc:")
+        for big in (2**60 + 100, 2**60 + 1):
+            with pytest.raises(LeaseConfigError, match=rf"fence {big} is above"):
+                fenced_set(client, key, "v", big)
+        assert fenced_get(client, key) == (None, None)
+        assert fenced_set(client, key, "v", _BOUND) == _BOUND
+        with pytest.raises(StaleFenceError):
+            fenced_set(client, key, "older", _BOUND - 1)
+        assert fenced_get(client, key) == (b"v", _BOUND)
+
+    def test_check_fencing_token_has_the_same_bound(self, any_store):
+        """A token past the bound is an invalid token (403), signed or not; one at it passes."""
+        gate = FenceGate(store=any_store)
+        signer = FenceSigner({"k1": SECRET}, active="k1")
+        key = unique("k-")
+        with pytest.raises(InvalidFenceTokenError, match=str(_BOUND)):
+            check_fencing_token(f"{key};{_BOUND + 1}", gate)
+        with pytest.raises(LeaseConfigError, match=str(_BOUND)):
+            signer.sign(key, _BOUND + 1)
+        assert check_fencing_token(f"{key};{_BOUND}", gate) == _BOUND
+        with pytest.raises(StaleFenceError):
+            check_fencing_token(signer.sign(key, _BOUND - 1), gate, signer=signer)
+
+    def test_granted_fences_stay_far_below_the_bound(self, any_store):
+        """A Redis fence is about the server clock in microseconds (2**53 us is the year 2255);
+        SQL and memory count from 1."""
+        lease = any_store.acquire(unique("r/"), Owner.new(), 30)
+        assert 0 < lease.fence < _BOUND // 4

@@ -32,7 +32,7 @@ from celery_lease import (
     metrics,
 )
 from celery_lease import _outage as outage
-from celery_lease._task import LOST_HEADER, STORE_DOWN_HEADER, STORE_WAITS_HEADER
+from celery_lease._message import LOST_HEADER, STORE_DOWN_HEADER, STORE_WAITS_HEADER
 from celery_lease.stores import store_from_url
 from tests.conftest import unique
 from tests.tooling.servers import RedisServer, free_port, wait_for
@@ -310,21 +310,35 @@ class TestClaim:
 
 class TestStaleAtClaim:
     @pytest.fixture
-    def stale(self, app, gate):
-        """A task whose gate already admitted a far newer fence for its key (a newer owner
-        admitted there, or this fence arrives late): its claim is stale at once."""
-        gate.admit("account-7", 10**9)
+    def stale(self, app, gate, leases):
+        """A task whose claim is overtaken before its gate admits: a newer owner claims the
+        resource (this lease force-released, as an operator evicts a frozen holder), admits
+        its fence at the gate and is done; the claim's fence is stale there."""
+        newer: list[Any] = []
+
+        class Overtaken:
+            url = gate.url
+
+            def admit(self, key, fence):
+                if not newer:
+                    leases.force_release("browser/account-7")
+                    newer.append(leases.acquire("browser/account-7", Owner.new("newer"), 30))
+                    gate.admit(key, newer[0].fence)
+                    leases.release(newer[0])
+                return gate.admit(key, fence)
+
         ran: list[int] = []
 
         @lease_task(
             app=app,
             resource="browser/account-{account_id}",
-            gates=[(gate, "account-{account_id}")],
+            gates=[(Overtaken(), "account-{account_id}")],
             lost_retry_delay=0.5,
         )
         def refresh(account_id):
             ran.append(account_id)
 
+        refresh.newer = newer
         return refresh, ran
 
     def test_eager_raises_lease_lost_and_gives_the_lease_back(self, stale, leases):
@@ -335,8 +349,8 @@ class TestStaleAtClaim:
         error = caught.value
         assert error.reason == "stale_fence"
         assert "stale at its claim" in str(error)
-        assert "FenceGate(sqlite:///" in str(error)
-        assert "fence 1000000000 for key 'account-7'" in str(error)
+        assert "Overtaken(sqlite:///" in str(error)
+        assert f"fence {task.newer[0].fence} for key 'account-7'" in str(error)
         assert ran == []
         assert leases.get("browser/account-7") is None  # given back
         assert counted("stale") == before + 1
@@ -503,3 +517,196 @@ class TestKeys:
             return current_lease().fence
 
         assert task.apply((1,)).get() == gateway.highest["account 1 (EU)"]
+
+
+SECRET = "SECRET-apikey-4f2a91"
+
+
+class ToolGateway:
+    """The client of an HTTP tool gateway as docs/fencing.md shows one, with the gateway's API
+    key in its URL's query string (``requests``: its errors quote the URL)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def admit(self, key: str, fence: int) -> None:
+        import requests
+
+        response = requests.post(self.url, json={"key": key, "fence": fence}, timeout=5)
+        response.raise_for_status()
+
+
+@pytest.fixture
+def unavailable():
+    """A stdlib HTTP server on 127.0.0.1 that answers every call 503."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Down(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Down)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+class TestSecretsInAGatesUrl:
+    """A gate whose URL carries an API key in its query string, failing: the key is in
+    no log line (gate_refused, the outage warning, Celery's retry line) and not in the RETRY
+    state the result backend holds."""
+
+    @pytest.mark.parametrize("how", ["503", "refused"])
+    def test_the_api_key_reaches_no_log_line_and_no_stored_state(
+        self, app, leases, unavailable, how, caplog
+    ):
+        from celery.contrib.testing.worker import start_worker
+
+        base = unavailable if how == "503" else f"http://127.0.0.1:{free_port()}"
+        tool = ToolGateway(f"{base}/fences?api_key={SECRET}")
+        with pytest.raises(Exception) as raw:  # the negative control: the client's own
+            tool.admit("acct-1", 1)  # error quotes the key (a URL, or a path without scheme)
+        assert SECRET in str(raw.value)
+        ran: list[int] = []
+        app.conf.worker_hijack_root_logger = False  # (keep caplog's handler on the root)
+
+        @lease_task(
+            app=app, resource="acct-{n}", gates=[tool], store_down_max_wait=60, name=unique("g")
+        )
+        def step(n):
+            ran.append(n)
+
+        with (
+            caplog.at_level(logging.DEBUG),
+            start_worker(
+                app, pool="threads", concurrency=1, perform_ping_check=False, loglevel="INFO"
+            ),
+        ):
+            result = step.delay(1)
+            wait_for(lambda: result.state == "RETRY", 30, "the task to go to RETRY")
+            meta = app.backend.get_task_meta(result.id)
+            info = result.info
+            stored = f"{meta!r} {meta.get('result')} {info!r}"
+        assert ran == []
+        assert "fence gate ToolGateway(http://127.0.0.1:" in str(info)
+        assert SECRET not in stored
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("gate_refused" in line for line in lines)
+        assert any("the fence gate ToolGateway(" in line for line in lines)  # the outage
+        assert any(" retry: " in line for line in lines)  # Celery's retry line
+        assert not [line for line in lines if SECRET in line]
+        assert SECRET not in caplog.text  # (tracebacks included)
+        assert leases.get("acct-1") is None  # given back
+
+    def test_a_label_and_a_message_drop_every_query_and_mask_passwords(self):
+        """gate_label and the admit failure's message leave out any query string (not only
+        the parameters called pass, secret or token) and mask a password."""
+        from celery_lease._gates import gate_label
+
+        tool = ToolGateway(f"https://user:pw-{SECRET}@gw.example/fences?api_key={SECRET}#x")
+        assert gate_label(tool) == "ToolGateway(https://user:***@gw.example/fences)"
+
+
+class TestGateOutlivedItsStore:
+    """A gate whose fence for the key is above every fence the lease store ever granted (the
+    store was reset or replaced; a test's in-memory store against a gate in a file): no claim
+    could pass it, so the task fails at once saying so, instead of retrying until FAILURE."""
+
+    @pytest.fixture
+    def outlived(self, app, gate):
+        gate.admit("account-7", 5)  # from the store this app used before (its fences 1..5)
+        ran: list[int] = []
+
+        @lease_task(
+            app=app,
+            resource="browser/account-{account_id}",
+            gates=[(gate, "account-{account_id}")],
+            lost_retry_delay=0.5,
+        )
+        def refresh(account_id):
+            ran.append(account_id)
+
+        return refresh, ran
+
+    def test_eager_fails_naming_the_gate_the_store_and_the_fix(self, outlived, leases):
+        task, ran = outlived
+        with pytest.raises(LeaseConfigError) as caught:
+            task.apply((7,)).get()
+        message = str(caught.value)
+        assert "already admitted fence 5 for key 'account-7'" in message
+        assert "higher than any fence the lease store sqlite:///" in message
+        assert "(its newest: 1)" in message
+        assert "outlived its lease store" in message
+        assert "Reset the gate's record" in message and "FenceGate(store=lease_store)" in message
+        assert ran == []
+        assert leases.get("browser/account-7") is None  # given back
+
+    def test_a_worker_fails_it_instead_of_retrying(self, outlived, leases, monkeypatch):
+        task, ran = outlived
+        sent = resent(task, monkeypatch)
+        with pytest.raises(LeaseConfigError, match="outlived its lease store"):
+            deliver(task, 7)
+        assert sent == [] and ran == []
+
+    def test_control_the_same_gate_below_the_store_s_fences_admits(self, outlived, leases):
+        """Once the store has granted past the gate's fence (here: claims on it until then),
+        the same gate admits the claim and the body runs."""
+        task, ran = outlived
+        for _ in range(5):
+            leases.release(leases.acquire("browser/account-7", Owner.new("earlier"), 30))
+        task.apply((7,)).get()
+        assert ran == [7]
+
+
+class TestGateFactory:
+    """A gates= entry may be a callable taking no arguments that returns the gate, asked at
+    each claim: a gate swapped in later (a test's) is the one admitted at."""
+
+    def test_the_task_follows_the_gate_the_name_holds_at_each_claim(self, app, tmp_path):
+        holder: dict[str, Any] = {"gate": Gateway()}
+        first = holder["gate"]
+
+        @lease_task(
+            app=app, resource="browser/account-{n}", gates=[(lambda: holder["gate"], "acct-{n}")]
+        )
+        def refresh(n):
+            return current_lease().fence
+
+        assert refresh.apply((1,)).get() == first.highest["acct-1"]
+        holder["gate"] = swapped = Gateway()
+        fence = refresh.apply((1,)).get()
+        assert swapped.highest == {"acct-1": fence}
+        assert first.highest == {"acct-1": fence - 1}  # not asked again
+
+    def test_a_bare_factory_keys_by_the_resource(self, app):
+        gateway = Gateway()
+
+        @lease_task(app=app, resource="r:{n}", gates=[lambda: gateway])
+        def task(n):
+            return current_lease().fence
+
+        assert task.apply((3,)).get() == gateway.highest["r:3"]
+
+    def test_a_factory_that_returns_no_gate_fails_before_the_claim(self, app, leases):
+        @lease_task(app=app, resource="r:{n}", gates=[(lambda: "not a gate", "k-{n}")])
+        def task(n):
+            raise AssertionError("no body")
+
+        with pytest.raises(LeaseConfigError, match=r"returned 'not a gate', which is no gate"):
+            task.apply((1,)).get()
+        assert leases.highest_fence("r:1") is None  # nothing was claimed
+
+    def test_a_callable_that_needs_arguments_is_no_gate(self, app):
+        with pytest.raises(LeaseConfigError, match="no admit"):
+
+            @lease_task(app=app, resource="r:{n}", gates=[lambda n: Gateway()])
+            def task(n): ...

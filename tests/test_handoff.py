@@ -14,11 +14,20 @@ import pytest
 from celery import Celery
 from celery.exceptions import DuplicateTaskNameWarning, Ignore, Retry
 
-from celery_lease import LeaseBusyError, LeaseConfigError, Owner, _clock, lease_task, metrics
-from celery_lease import _task as _task_module
+from celery_lease import (
+    LeaseBusyError,
+    LeaseConfigError,
+    Owner,
+    _clock,
+    _copies,
+    _execution,
+    lease_task,
+    metrics,
+)
 from celery_lease._app import get_store
+from celery_lease._message import LISTED_HEADER, STORE_DOWN_HEADER, WAITS_HEADER, wake_payload
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import LISTED_HEADER, STORE_DOWN_HEADER, WAITS_HEADER, WOKEN_HEADER
+from celery_lease._wakes import WOKEN_HEADER
 from tests.conftest import unique
 
 
@@ -47,7 +56,7 @@ def task():
 class TestWakePayload:
     def test_the_payload_is_this_execution_again_without_a_countdown(self, task):
         """Same task, id, arguments, queue and retries; one more wait; no stale wake time."""
-        payload, keep = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        payload, keep = wake_payload(task, task._compiled(), task.request, (1, "x"), {})
         message = json.loads(payload)
         assert (message["task"], message["args"], message["kwargs"]) == (
             "handoff_unit.t",
@@ -63,17 +72,17 @@ class TestWakePayload:
     def test_no_payload_past_the_busy_budget(self, task):
         """An attempt that gives up when refused leaves no place to be woken in."""
         task.request.headers[WAITS_HEADER] = task.lease_settings.busy_max_waits
-        assert task._wake_payload(task.request, (1, "x"), {}, task.lease_settings) is None
+        assert wake_payload(task, task._compiled(), task.request, (1, "x"), {}) is None
 
     def test_arguments_json_cannot_write_wait_with_the_back_off(self, task):
         """No payload (so no place in the list) rather than a payload that cannot be sent."""
-        assert task._wake_payload(task.request, (object(),), {}, task.lease_settings) is None
+        assert wake_payload(task, task._compiled(), task.request, (object(),), {}) is None
 
     def test_circular_arguments_wait_with_the_back_off(self, task):
         """A circular argument gives no payload, not an error or a hang."""
         loop: list = []
         loop.append(loop)
-        assert task._wake_payload(task.request, (loop,), {}, task.lease_settings) is None
+        assert wake_payload(task, task._compiled(), task.request, (loop,), {}) is None
 
     def test_json_encoder_default_patched_after_import_applies(self, task, monkeypatch):
         """The recipe that patches json.JSONEncoder.default (objects with to_json()) works for
@@ -89,7 +98,7 @@ class TestWakePayload:
             raise TypeError(value)
 
         monkeypatch.setattr(json.JSONEncoder, "default", default)
-        payload, _ = task._wake_payload(task.request, (1, Money()), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1, Money()), {})
         assert json.loads(payload)["args"] == [1, {"money": 3}]
 
     def test_a_circular_argument_at_a_raised_recursion_limit_does_not_crash(self):
@@ -114,7 +123,9 @@ class TestWakePayload:
             t.push_request(id="0f0e0d0c-1111-2222-3333-444455556666", args=(1, loop),
                            kwargs={}, headers={}, delivery_info={"routing_key": "celery"},
                            is_eager=False, hostname="w@h")
-            print(t._wake_payload(t.request, (1, loop), {}, t.lease_settings))
+            from celery_lease._message import wake_payload
+
+            print(wake_payload(t, t._compiled(), t.request, (1, loop), {}))
         """
         done = subprocess.run(
             [sys.executable, "-c", code],
@@ -131,8 +142,8 @@ class TestWakePayload:
         settings = task.lease_settings
         for waits in (0, 2, 5, 0):
             task.request.headers[WAITS_HEADER] = waits
-            _, keep = task._wake_payload(task.request, (1, "x"), {}, settings)
-            cap = task._busy_cap(settings)
+            _, keep = wake_payload(task, task._compiled(), task.request, (1, "x"), {})
+            cap = task._compiled().busy_cap()
             longest = min(
                 cap, max(min(cap, settings.busy_backoff_base * 2 ** min(waits, 30)), settings.ttl)
             )
@@ -146,10 +157,10 @@ class TestWake:
         monkeypatch.setattr(
             "celery.canvas.Signature.apply_async", lambda self, *a, **k: sent.append(self)
         )
-        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1, "x"), {})
         key = 'celery_lease_handoffs_total{by="release"}'
         before = metrics.snapshot().get(key, 0)
-        task._wake(payload, "r-1", "release")
+        _execution.wake(task, payload, "r-1", "release")
         assert metrics.snapshot()[key] == before + 1
         (signature,) = sent
         assert signature.id == task.request.id
@@ -157,7 +168,7 @@ class TestWake:
 
     def test_a_failed_wake_is_logged_not_raised(self, task, caplog):
         """The back-stop copy covers a wake that could not be sent."""
-        task._wake("{not json", "r-1", "release")
+        _execution.wake(task, "{not json", "r-1", "release")
         assert "could not wake" in caplog.text
 
 
@@ -165,7 +176,7 @@ class TestWakeOptions:
     def test_the_options_are_what_celery_would_send_again(self, task):
         """The payload's options match Context.as_execution_options() (None values dropped),
         with every field set: the fast builder must not drift from Celery's."""
-        from celery_lease._task import _execution_options
+        from celery_lease._message import execution_options as _execution_options
 
         request = task.request
         request.update(
@@ -199,7 +210,7 @@ class TestWakeOptions:
         None), read from the request's own values on the fast path, getattr() otherwise."""
         from celery.app.task import Context
 
-        from celery_lease._task import _execution_options
+        from celery_lease._message import execution_options as _execution_options
 
         class OwnContext(Context):
             pass
@@ -215,7 +226,7 @@ class TestWakeOptions:
     def test_dead_letter_and_attempt_headers_are_not_carried(self, task):
         """RabbitMQ's x-death trail and our per-attempt headers stay behind."""
         task.request.headers.update({"x-death": [{"count": 1}], "custom": "kept"})
-        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1, "x"), {})
         headers = json.loads(payload)["options"]["headers"]
         assert isinstance(headers.pop(LISTED_HEADER), int)  # when the place was listed
         assert headers == {WAITS_HEADER: 3, "custom": "kept"}
@@ -240,10 +251,10 @@ class TestSiblingThatGaveUpOnTheStore:
         Failed before: stamped with the listing's own time (1000 instead of 400)."""
         _wall_at(monkeypatch, lambda: 1000.0)
         task.request.headers = {WAITS_HEADER: 1, STORE_DOWN_HEADER: 400.0}
-        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1, "x"), {})
         assert json.loads(payload)["options"]["headers"][LISTED_HEADER] == 400
         task.request.headers = {WAITS_HEADER: 1, STORE_DOWN_HEADER: "not ours"}
-        payload, _ = task._wake_payload(task.request, (1, "x"), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1, "x"), {})
         assert json.loads(payload)["options"]["headers"][LISTED_HEADER] == 1000
 
     @pytest.mark.parametrize("behind", [0.0, 60.0, 150.0])
@@ -256,22 +267,28 @@ class TestSiblingThatGaveUpOnTheStore:
         budget = task.lease_settings.store_down_max_wait
         listed = 10_000
         _wall_at(monkeypatch, lambda: listed + budget - behind)
-        assert task._sibling_may_have_given_up(self._woken(task, listed), task.lease_settings)
+        assert _copies.sibling_may_have_given_up(
+            task, self._woken(task, listed), task.lease_settings
+        )
 
     def test_a_recent_place_does_not_read(self, task, monkeypatch):
         """Places listed less than half the budget ago: the hand-off's path, no backend read."""
         budget = task.lease_settings.store_down_max_wait
         _wall_at(monkeypatch, lambda: 10_000 + budget * 0.49)
-        assert not task._sibling_may_have_given_up(self._woken(task, 10_000), task.lease_settings)
+        assert not _copies.sibling_may_have_given_up(
+            task, self._woken(task, 10_000), task.lease_settings
+        )
 
     def test_negative_control_without_the_slack_a_clock_behind_skips_the_read(
         self, task, monkeypatch
     ):
         """With no slack (the code before), a clock 60 s behind skips the read."""
         budget = task.lease_settings.store_down_max_wait
-        monkeypatch.setattr(_task_module, "GAVE_UP_CLOCK_SLACK", 0.0)
+        monkeypatch.setattr(_copies, "GAVE_UP_CLOCK_SLACK", 0.0)
         _wall_at(monkeypatch, lambda: 10_000 + budget - 60)
-        assert not task._sibling_may_have_given_up(self._woken(task, 10_000), task.lease_settings)
+        assert not _copies.sibling_may_have_given_up(
+            task, self._woken(task, 10_000), task.lease_settings
+        )
 
 
 @pytest.fixture(
@@ -414,7 +431,7 @@ class TestListedWaiterGrowingPastTheBound:
     @classmethod
     def _size(cls, task, blob, tid, waits):
         with cls._delivered(task, blob, tid, waits):
-            return len(task._wake_payload(task.request, (blob,), {}, task.lease_settings)[0])
+            return len(wake_payload(task, task._compiled(), task.request, (blob,), {})[0])
 
     def test_the_copy_one_counter_digit_longer_keeps_its_place(self, bound_app):
         r = unique("grow")
@@ -530,7 +547,9 @@ class TestWakeQueue:
     def test_a_woken_copy_takes_its_waiters_route_only_from_its_wake_queue(self):
         from celery.app.task import Context
 
-        from celery_lease._task import ROUTE_HEADER, _take_sent_route, _to_wake_queue
+        from celery_lease._message import take_sent_route as _take_sent_route
+        from celery_lease._wakes import ROUTE_HEADER
+        from celery_lease._wakes import to_wake_queue as _to_wake_queue
 
         options = {"queue": "q", "priority": 3}
         headers: dict = {}
@@ -572,7 +591,8 @@ class TestWakeQueue:
         from celery.signals import before_task_publish
         from kombu import Exchange, Queue
 
-        from celery_lease._task import ROUTE_HEADER, _to_wake_queue
+        from celery_lease._wakes import ROUTE_HEADER
+        from celery_lease._wakes import to_wake_queue as _to_wake_queue
 
         app = Celery(unique("wake"), broker="memory://", set_as_current=False)
         app.conf.task_queues = (Queue("qa", Exchange("ex"), routing_key="ka"),)

@@ -20,9 +20,9 @@ import pytest
 from celery import Celery
 from celery.exceptions import DuplicateTaskNameWarning
 
-from celery_lease import LeaseBusyError, Owner, _clock, lease_task
+from celery_lease import LeaseBusyError, Owner, _clock, _execution, lease_task
 from celery_lease._app import get_store
-from celery_lease._task import LISTED_HEADER, WAITS_HEADER, LeaseTask
+from celery_lease._message import LISTED_HEADER, WAITS_HEADER, wake_payload
 from tests.conftest import unique
 
 pytestmark = pytest.mark.redis
@@ -66,7 +66,7 @@ def payload_of(task, waits):
         retries=0,
     )
     try:
-        payload, _ = task._wake_payload(task.request, (1,), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1,), {})
     finally:
         task.pop_request()
     return payload
@@ -94,7 +94,7 @@ def hand_over(app, task, store, waits_before, waits_after):
     lease = store.acquire("r-1", Owner.new("l"), 30, identity="l", early_wake=True)
     assert lease.next_wake == payload_of(task, waits_before)
     wait(store, W_ID, payload_of(task, waits_after))  # the back-stop copy, refused: re-armed
-    task._release(lease, "done", None, held_since=_clock.monotonic(), early=True)
+    _execution.release(task, lease, "done", None, held_since=_clock.monotonic(), early=True)
     return queued(app)
 
 
@@ -112,5 +112,5 @@ def test_at_its_last_allowed_wait_too(setup):
 
 def test_negative_control_without_the_check_the_release_sends_a_second_copy(setup, monkeypatch):
     app, task, store = setup
-    monkeypatch.setattr(LeaseTask, "_rearmed_wake", lambda self, early, payload: False)
+    monkeypatch.setattr(_execution, "rearmed_wake", lambda early, payload: False)
     assert hand_over(app, task, store, 1, 2) == 2

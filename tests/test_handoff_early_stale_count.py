@@ -31,10 +31,10 @@ import pytest
 from celery import Celery, states
 from celery.exceptions import DuplicateTaskNameWarning, Ignore
 
-import celery_lease._task as task_module
-from celery_lease import LeaseBusyError, Owner, _clock, lease_task
+from celery_lease import LeaseBusyError, Owner, _clock, _copies, _execution, lease_task
 from celery_lease._app import get_store
-from celery_lease._task import EARLY_HEADER, LISTED_HEADER, WAITS_HEADER
+from celery_lease._message import LISTED_HEADER, WAITS_HEADER, wake_payload
+from celery_lease._wakes import EARLY_HEADER, WOKEN_HEADER
 from celery_lease.stores.base import REARM_GROWTH
 from celery_lease.stores.redis import scripts as lua
 from celery_lease.stores.redis.connection import Script
@@ -96,7 +96,7 @@ def payload_of(task, waits):
     """The wake message W's copy lists after ``waits`` refused claims (it counts one more)."""
     task.push_request(**request_of(task, {WAITS_HEADER: waits, LISTED_HEADER: 1_800_000_000}))
     try:
-        payload, _ = task._wake_payload(task.request, (1,), {}, task.lease_settings)
+        payload, _ = wake_payload(task, task._compiled(), task.request, (1,), {})
     finally:
         task.pop_request()
     return payload
@@ -167,7 +167,7 @@ def early_copy_after_give_up(app, task, store, how="re-armed"):
         store.wait_bytes_cap = len(payload_of(task, last - 2))  # W's message, no byte more
         assert len(payload_of(task, last - 1)) > store.wait_bytes_cap
     wait(store, task.w_id, payload_of(task, last - 1), kept)  # back-stop: re-armed, the last
-    task._release(lease, "done", None, held_since=_clock.monotonic(), early=True)
+    _execution.release(task, lease, "done", None, held_since=_clock.monotonic(), early=True)
     copies = drain(app)
     assert [c.get(WAITS_HEADER) for c in copies] == [last - 1]  # the early copy alone
     assert copies[0].get(EARLY_HEADER) is not None
@@ -211,8 +211,8 @@ def test_an_early_copy_at_the_last_wait_still_runs_when_nothing_gave_up(setup):
     assert lease.next_wake is None  # W was woken once already: not named again
     wait(store, task.w_id, payload_of(task, 4))  # re-armed, counting 5
     early = {WAITS_HEADER: 4, LISTED_HEADER: 1_800_000_000, EARLY_HEADER: 3}
-    early[task_module.WOKEN_HEADER] = _clock.wall()
-    task._release(lease, "done", None)
+    early[WOKEN_HEADER] = _clock.wall()
+    _execution.release(task, lease, "done", None)
     drain(app)
     assert deliver(task, early) == "ran"
     assert len(runs) == 1
@@ -220,7 +220,7 @@ def test_an_early_copy_at_the_last_wait_still_runs_when_nothing_gave_up(setup):
 
 def test_negative_control_without_the_places_count_the_body_runs_after_failure(setup, monkeypatch):
     app, task, store, runs = setup
-    monkeypatch.setattr(task_module, "_listed_waits", lambda payload: 0)
+    monkeypatch.setattr(_copies, "listed_waits", lambda payload: 0)
     assert early_copy_after_give_up(app, task, store) == "ran"
     assert len(runs) == 1
 
@@ -238,7 +238,7 @@ def test_negative_control_trusting_the_carried_count_runs_the_body_after_failure
     setup, monkeypatch, how
 ):
     app, task, store, runs = setup
-    monkeypatch.setattr(task_module, "_own_count_unknown", lambda request, lease: False)
+    monkeypatch.setattr(_copies, "own_count_unknown", lambda request, lease: False)
     assert early_copy_after_give_up(app, task, store, how) == "ran"
     assert len(runs) == 1
 

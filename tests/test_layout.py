@@ -58,7 +58,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("store factory", {"stores", "stores.urls"}),
     ("celery wiring", {"_app", "_wakes", "_workerlog", "fencing", "_fence_client"}),
-    ("tasks", {"_task", "_gates", "_sweeper", "_release"}),
+    # A lease task's rooms, each deciding one thing (see the _task docstring), lowest first.
+    ("task parts", {"_gates", "_message", "_setup"}),
+    ("task execution", {"_execution"}),
+    ("task copies", {"_copies"}),
+    ("task outcomes", {"_waiting", "_outcomes"}),
+    ("task attempt", {"_attempt"}),
+    ("tasks", {"_task", "_sweeper", "_release"}),
     (
         "entry points",
         {

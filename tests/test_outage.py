@@ -17,13 +17,9 @@ from celery.exceptions import Ignore, Retry
 
 from celery_lease import LeaseConfigError, LeaseStoreError, Owner, lease_task
 from celery_lease import _outage as outage
+from celery_lease._message import STORE_DOWN_HEADER, STORE_WAITS_HEADER, WAITS_HEADER
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import (
-    STORE_DOWN_HEADER,
-    STORE_WAITS_HEADER,
-    WAITS_HEADER,
-    WOKEN_HEADER,
-)
+from celery_lease._wakes import WOKEN_HEADER
 from celery_lease.stores import store_from_url
 from tests.conftest import unique
 from tests.tooling.servers import RedisServer, free_port

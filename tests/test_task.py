@@ -26,10 +26,10 @@ from celery_lease import (
 )
 from celery_lease._app import get_store
 from celery_lease._errors import IdentityDoneError, LeaseStoreError
+from celery_lease._message import names_task as _names_task
 from celery_lease._names import MAX_LABEL_LENGTH
 from celery_lease._pid import getpid
 from celery_lease._settings import LeaseSettings
-from celery_lease._task import _names_task
 from tests.conftest import unique
 
 
@@ -606,9 +606,10 @@ class TestSupersededAttempt:
         """With the attempt left out of the identity's record, and of the claims (the wait
         list would otherwise keep the resource held for the newer attempt), the stale copy
         runs the body."""
-        import celery_lease._task as task_module
+        from celery_lease import _attempt, _copies
 
-        monkeypatch.setattr(task_module, "identity_outcome", lambda outcome, attempt: outcome)
+        for room in (_attempt, _copies):
+            monkeypatch.setattr(room, "identity_outcome", lambda outcome, attempt: outcome)
         store = get_store(store_app)
         acquire = store.acquire
 
@@ -805,9 +806,9 @@ class TestFailedCopy:
         assert len(ran) == 2
 
     def test_negative_control_without_the_check_the_copies_run_again(self, store_app, monkeypatch):
-        import celery_lease._task as task_module
+        from celery_lease import _copies
 
-        monkeypatch.setattr(task_module, "_copy_of_failed", lambda lease, request: False)
+        monkeypatch.setattr(_copies, "copy_of_failed", lambda lease, request: False)
         ran: list[tuple[str, int]] = []
         task = self._task(store_app, ran)
         task_id = unique("task")

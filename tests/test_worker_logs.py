@@ -593,3 +593,78 @@ class TestDroppedCopies:
         assert "identity=" in line and "attempt=0 copy=back-stop " in line
         assert 'action="dropped a copy of a failed execution"' in line
         assert 'why="attempt 0 already ran and failed; its FAILURE stays"' in line
+
+
+_README_START = """
+import logging, sys
+from types import SimpleNamespace
+from typing import Any
+
+from celery.concurrency import get_implementation
+
+def open_logged_in_browser(account_id: int) -> Any: ...
+
+exec(sys.stdin.read())
+from celery_lease._app import LeaseBootstep
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+worker = SimpleNamespace(
+    app=app, pool_cls=get_implementation("prefork"), concurrency=2, max_concurrency=None
+)
+LeaseBootstep(worker).start(worker)
+"""
+
+
+def _readme_start_warnings(code: str) -> list[str]:
+    """The crash-recovery warnings a prefork worker of the README's app logs at start, in a
+    process of its own (the README's task is a shared one: it would join every app here)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _README_START],
+        input=code,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [
+        line
+        for line in done.stdout.splitlines()
+        if "visibility_timeout" in line or "WorkerLostError" in line
+    ]
+
+
+def test_the_readme_example_starts_without_a_crash_recovery_warning():
+    """README's "In a Celery app" block (Redis broker, ttl 60, acks_late and
+    reject_on_worker_lost), as written but for its servers (an unused broker port, memory
+    stores): a prefork worker starts without a crash-recovery warning, as its comment "a
+    killed worker's step runs again" promises. Without its broker_transport_options line (the
+    negative control, the README before) the Redis default visibility timeout, an hour, is
+    warned about."""
+    from pathlib import Path
+
+    from tests.tooling import docblocks
+
+    readme = docblocks.parse(Path(__file__).resolve().parent.parent / "README.md")
+    (block,) = [b for b in readme.blocks if "def refresh_dashboard" in b.code]
+    code = (
+        block.code.replace("redis://127.0.0.1:6379/0", "redis://127.0.0.1:1/0")
+        .replace('"redis://127.0.0.1:6379/1"', '"memory://"')
+        .replace('"postgresql+psycopg://app@db/app"', '"memory://"')
+    )
+    assert "visibility_timeout" in code and "redis://127.0.0.1:1/0" in code
+    assert "memory://" in code
+    assert _readme_start_warnings(code) == []
+    without = "\n".join(
+        line for line in code.splitlines() if "broker_transport_options" not in line
+    )
+    (warning,) = _readme_start_warnings(without)
+    assert "the Redis broker's visibility_timeout is 3600s (kombu's default)" in warning

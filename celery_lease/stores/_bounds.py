@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["POLL", "POLL_HOLD", "POLL_PLACES", "REARM_GROWTH"]
+__all__ = ["POLL", "POLL_HOLD", "POLL_PLACES", "REARM_GROWTH", "SINCE_SKEW", "WAKE_DUE_SKIP"]
 
 #: The wake payload of a polling place: a waiter nobody sends a message to (it has no identity
 #: to deduplicate two copies of it, its message is over its task's bound, or the list had no
@@ -23,3 +23,29 @@ POLL_PLACES = 4
 #: the bytes cap by this much per listed waiter; the list stays bounded, and a bigger change is
 #: not taken past the cap.
 REARM_GROWTH = 64
+
+#: How far (seconds) a claim's ``since=`` (when its message was published, by the publishing
+#: process's clock: ``order="publish"``) may lie ahead of the store's clock and still place it
+#: as it is (invariant 12); a later one counts as this far ahead. Publish order compares stamps
+#: from the publishers' clocks with the store's: a publisher a little fast (20 ms) used to have
+#: its stamps counted as "now", which let a message published after it but claiming first go
+#: ahead. NTP keeps hosts within milliseconds of each other, a host that lost its time source
+#: or a VM resumed from a pause drifts by seconds; past a few seconds the clock is wrong rather
+#: than skewed. The cap keeps what it is for: a stamp far in the future would let every claim
+#: arriving until then go ahead of its place (a place is not reordered, and a re-arm keeps it
+#: alive); now such a place is overtaken for at most this long. Not 2 s or a multiple of it:
+#: tests/stores/test_lockstep.py runs its steps in 2 s periods and needs every time a step sets
+#: to fall between them.
+SINCE_SKEW = 5.0
+
+#: The most resources held by a live lease that ``wake_due`` without ``resources=`` reads past
+#: in one shard per call on Redis (invariant 16): a held resource does not count against the
+#: limit, so the script reads on through the shard's list index, and this bounds what a call
+#: can cost (one field of a batched HMGET each: 1,000 took 3.7 ms of server time on a loaded
+#: 2-core box; the script blocks the server meanwhile, and a single server's call covers every
+#: shard). A resource with waiters is held by a running task (or one that died, until its
+#: ttl): a shard passes this only when that many contended resources are worked on at once in
+#: it (16 shards by default). A free resource further on is then left for its waiters' own
+#: copies (a back-stop copy claims it, or wakes the head) or a later pass. Memory and SQL read
+#: on without a bound (SQL through its list index, outside the server's one thread).
+WAKE_DUE_SKIP = 1000

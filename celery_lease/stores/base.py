@@ -58,7 +58,10 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     fewer than ``POLL_PLACES * wait_cap`` places in all; ``LeaseBusyError.polling`` says so. A
     polling place re-armed with a message that fits the bytes bound takes it. A new place joins
     behind every place whose ``since`` is not later than its own: the claim's ``since=`` (when
-    its message was published, ``order="publish"``; never later than now), else now.
+    its message was published, ``order="publish"``, by the publisher's clock; one more than
+    ``since_skew`` seconds ahead of the store's clock counts as that far ahead, ``SINCE_SKEW``),
+    else now. ``since`` only orders the list: a place's lapse, wake and hold run on the store's
+    clock whatever it says.
 13. While the resource has no live lease it is held for the waiter woken less than
     ``handoff_grace`` seconds ago (one wake in flight, 14), else for its first waiter never
     woken (or re-armed, 12): the first that did not miss its grace. Only that waiter, or a
@@ -95,7 +98,10 @@ Hand-off (optional ``wait=`` on acquire; needs ``identity=``):
     sent again once (its message may never have left; it keeps its place, 13, and is not
     marked woken again), and the first waiter never woken (or re-armed) is woken as a release
     wakes it. The payloads come back, oldest place first, for the caller to send. A waiter
-    woken or re-armed afterwards may be sent again after its next missed grace.
+    woken or re-armed afterwards may be sent again after its next missed grace. Without names,
+    the resources are taken by when their lists lapse, and only those with a live place and no
+    live lease count against ``limit`` (a wake in flight counts: its list is read to know);
+    Redis counts per shard and reads past at most ``WAKE_DUE_SKIP`` held ones per shard.
 """
 
 from __future__ import annotations
@@ -112,9 +118,9 @@ from .. import _clock
 from .._codec import from_micros
 from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
-from .._names import IDENTITY_RULE, show_value, validate_resource, validate_ttl
+from .._names import IDENTITY_RULE, MAX_FENCE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
-from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
+from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, SINCE_SKEW, WAKE_DUE_SKIP
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -125,6 +131,8 @@ __all__ = [
     "POLL_PLACES",
     "REARM_GROWTH",
     "RECENT_EFFECTS",
+    "SINCE_SKEW",
+    "WAKE_DUE_SKIP",
     "BaseLeaseStore",
     "DueWake",
     "EffectRecord",
@@ -226,7 +234,9 @@ class Waiter:
 
     position: int  # 1 = the next to run
     identity: str
-    since: datetime  # its first refused claim, store clock
+    #: its first refused claim, store clock; or when its message was published
+    #: (order="publish"), which may lie up to SINCE_SKEW ahead of the store clock
+    since: datetime
     expires_at: datetime  # when its place lapses unless it claims again
     woken: bool  # woken less than the grace ago, not claimed yet (see 13 for whom it holds)
 
@@ -256,7 +266,8 @@ def rearm_fits(old: int, new: int, after: int, count: int, bytes_cap: int) -> bo
     return new <= old or after <= bytes_cap
 
 
-#: Default number of resources one ``wake_due`` call looks at (per Redis shard).
+#: Default number of resources one ``wake_due`` call passes the turn on at (per Redis shard;
+#: held ones do not count).
 DEFAULT_WAKE_DUE_LIMIT = 1000
 
 #: Default seconds the free resource is held for a woken waiter (then it is held for the
@@ -430,6 +441,13 @@ class LeaseStore(Protocol):
         """Read the resource's lease (live, or expired and never released), or None."""
         ...
 
+    def highest_fence(self, resource: str) -> int | None:
+        """The newest fence granted for ``resource`` (a force-release's bump included), held
+        or not: release and expiry keep it, as the next claim's fence is greater. None when
+        the resource was never claimed here (or its record is gone: a Redis shard that lost
+        its data)."""
+        ...
+
     def waiters(self, resource: str) -> builtins.list[Waiter]:
         """The resource's wait list, head first (places that lapsed are left out)."""
         ...
@@ -475,8 +493,10 @@ class LeaseStore(Protocol):
         """Pass the turn on where nobody else will (invariant 16); the wakes to send.
 
         ``resources``: only these (a release's follow-up, an eviction); None: every resource
-        with a wait list, up to ``limit`` of them (a worker's periodic pass; the cost follows
-        the resources with waiters, found through the wait lists' index, never the leases).
+        with a wait list, up to ``limit`` of them that have a live place and no live lease, by
+        when their lists lapse (a worker's periodic pass; the cost follows the resources with
+        waiters, found through the wait lists' index, never the leases; Redis: ``limit`` per
+        shard, reading past at most ``WAKE_DUE_SKIP`` held resources per shard).
 
         Raises:
             LeaseConfigError: a bad resource name or limit.
@@ -635,9 +655,14 @@ def changed_hands(resource: str, fence: int, info: LeaseInfo) -> LeaseBusyError:
     )
 
 
-def lost(lease: Lease, reason: str, label: str | None, fence: int | None) -> LeaseLostError:
-    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over)."""
-    return lease.mark_lost(LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence))
+def lost(
+    lease: Lease, reason: str, label: str | None, fence: int | None, expired: bool = False
+) -> LeaseLostError:
+    """Mark ``lease`` lost for ``reason`` (the holder's label and fence, if taken over;
+    ``expired``: that holder's lease has run out since)."""
+    return lease.mark_lost(
+        LeaseLostError.lost(lease.resource, lease.fence, reason, label, fence, expired)
+    )
 
 
 class BaseLeaseStore:
@@ -658,6 +683,9 @@ class BaseLeaseStore:
         self.wait_bytes_cap = DEFAULT_WAIT_BYTES_CAP
         #: Seconds the free resource is held for a woken head waiter (see invariant 13).
         self.handoff_grace = DEFAULT_HANDOFF_GRACE
+        #: Seconds a claim's ``since=`` may lie ahead of the store's clock and still place it as
+        #: it is (a publisher's clock a little fast); a later one counts as this far ahead.
+        self.since_skew = SINCE_SKEW
 
     #: Whether ``acquire(..., early_wake=True)`` sets ``Lease.next_wake`` (invariant 15).
     supports_early_wake = False
@@ -680,6 +708,11 @@ class BaseLeaseStore:
     def _retention_us(self) -> int:
         """``retention`` in microseconds, as the stores' records count it."""
         return round(self.retention * 1e6)
+
+    @property
+    def _since_skew_us(self) -> int:
+        """``since_skew`` in microseconds: a place's ``since`` is at most now plus this."""
+        return max(0, round(self.since_skew * 1e6))
 
     @staticmethod
     def _identity_args(identity: str | None) -> str | None:
@@ -808,10 +841,10 @@ class BaseLeaseStore:
     def _fence_arg(fence: int | None) -> int | None:
         if fence is None:
             return None
-        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 0:
+        if isinstance(fence, bool) or not isinstance(fence, int) or not 0 <= fence <= MAX_FENCE:
             raise LeaseConfigError(
-                "fence must be a non-negative int (the fence shown for the lease), got "
-                f"{show_value(fence)}"
+                f"fence must be an int from 0 to {MAX_FENCE} (the fence shown for the lease), "
+                f"got {show_value(fence)}"
             )
         return fence
 

@@ -19,7 +19,7 @@ from .. import _clock
 from .._codec import decode, from_micros
 from .._errors import IdentityDoneError, LeaseBusyError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner
-from .._names import validate_resource
+from .._names import validate_fence, validate_resource
 from .base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -206,8 +206,9 @@ class MemoryLeaseStore(BaseLeaseStore):
             payload = POLL  # no room for its message: a polling place
         if len(waits) >= POLL_PLACES * self.wait_cap:
             return 0
-        # behind every place not listed later than it (its publish time, else now)
-        at = min(now, since) if since is not None else now
+        # behind every place not listed later than it (its publish time, at most since_skew
+        # ahead of now: a publisher's clock a little fast keeps its order; else now)
+        at = min(now + self._since_skew_us, since) if since is not None else now
         place = len(waits)
         while place and waits[place - 1][1] > at:
             place -= 1
@@ -402,7 +403,8 @@ class MemoryLeaseStore(BaseLeaseStore):
             forced = self._forced.get(lease.resource) == lease.fence
             return self._lost(lease, "force_released" if forced else "released", None, None)
         if current.token != lease.owner.token or current.fence != lease.fence:
-            return self._lost(lease, "taken_over", current.label, current.fence)
+            expired = current.expires_us <= now
+            return self._lost(lease, "taken_over", current.label, current.fence, expired)
         if current.expires_us <= now:
             return self._lost(lease, "expired", None, None)
         return current
@@ -478,16 +480,18 @@ class MemoryLeaseStore(BaseLeaseStore):
         with self._lock:
             now = self._now_us()
             if names is None:
-                # (by when the last place lapses, as the other stores' indexes order them)
+                # By when the last place lapses, as the other stores' indexes order them; only a
+                # list with a live place on a resource with no live lease counts against the
+                # limit (a held one's release wakes its next waiter).
+                lapses = ((max((w[2] for w in ws), default=0), r) for r, ws in self._waits.items())
                 names = [
                     r
                     for _, r in sorted(
-                        (max(w[2] for w in waits), r) for r, waits in self._waits.items() if waits
+                        (lapse, r) for lapse, r in lapses if lapse > now and not self._live(r, now)
                     )[:limit]
                 ]
             for resource in names:
-                current = self._leases.get(resource)
-                if current is not None and current.expires_us > now:
+                if self._live(resource, now):
                     continue  # held: its holder's release wakes the next waiter
                 waits = self._wait_list(resource, now)
                 if any(w[3] > now for w in waits):
@@ -501,6 +505,11 @@ class MemoryLeaseStore(BaseLeaseStore):
                     _wake(woke, now, round(self.handoff_grace * 1e6))
                     out.append(DueWake(resource, woke[4], False))
         return out
+
+    def _live(self, resource: str, now: int) -> bool:
+        """Whether ``resource`` has a live lease."""
+        current = self._leases.get(resource)
+        return current is not None and current.expires_us > now
 
     def waiters(self, resource: str) -> builtins.list[Waiter]:
         resource = validate_resource(resource)
@@ -591,6 +600,11 @@ class MemoryLeaseStore(BaseLeaseStore):
             current = self._leases.get(resource)
             return None if current is None else current.info(resource, self._now_us())
 
+    def highest_fence(self, resource: str) -> int | None:
+        resource = validate_resource(resource)
+        with self._lock:
+            return self._fences.get(resource)
+
     def list(
         self,
         *,
@@ -638,6 +652,7 @@ class MemoryLeaseStore(BaseLeaseStore):
         """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the newest fence
         granted for ``key`` as a resource (FenceGate support)."""
         validate_resource(key)
+        fence = validate_fence(fence)
         with self._lock:
             # Under the lock that claims and force-releases take: a grant is either before
             # this decision (and counts) or after it.

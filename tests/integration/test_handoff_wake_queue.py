@@ -68,12 +68,16 @@ def test_a_woken_waiter_does_not_wait_behind_the_queues_backlog(
     worker = start_worker(env, queue=queue, pool="threads", concurrency=2)
     assert (queue + WAKE in queues_of(it_app, worker)) == on
     n = unique("d")
-    it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    # the holder holds long enough for the whole backlog to be published on a loaded box, and
+    # the backlog (run one at a time by the second thread) outlasts the hold by about 3 s
+    it_app.fifo_hold.apply_async((n, 0, 3.0), queue=queue)
     events.wait(ev="enter", res=n, k=0)
     waiter = it_app.fifo_hold.apply_async((n, 1, 0.05), queue=queue)
     events.wait(ev="retry", task=waiter.id)
     for k in range(BACKLOG):  # queued behind the waiter's refused claim, before its wake
-        it_app.plain_step.apply_async((n, 100 + k, 0.05), queue=queue)
+        it_app.plain_step.apply_async((n, 100 + k, 0.15), queue=queue)
+    released = [e for e in events.where(ev="exit", res=n) if e["k"] == 0]
+    assert not released, "the holder ended before the backlog was queued: the test proves nothing"
     assert waiter.get(timeout=60) == 1
     wait_for(lambda: len(events.where(ev="enter", res=n)) >= BACKLOG + 2, 60, "the backlog")
     entered = [e for e in events.all() if e.get("res") == n and e["ev"] == "enter"]

@@ -31,7 +31,7 @@ from celery_lease import (
     current_lease,
     lease_task,
 )
-from celery_lease._task import WOKEN_HEADER as WOKEN
+from celery_lease._wakes import WOKEN_HEADER as WOKEN
 
 env = os.environ
 app = Celery("lease_it", broker=env.get("CL_BROKER", "memory://"))
@@ -76,12 +76,16 @@ if env.get("CL_WAIT_CAP") or env.get("CL_HANDOFF_GRACE"):
     _store_base.DEFAULT_HANDOFF_GRACE = float(
         env.get("CL_HANDOFF_GRACE") or _store_base.DEFAULT_HANDOFF_GRACE
     )
+if env.get("CL_SINCE_SKEW"):  # the negative control of the tolerance for publish times ahead
+    from celery_lease.stores import base as _store_base
+
+    _store_base.SINCE_SKEW = float(env["CL_SINCE_SKEW"])
 if env.get("CL_HANDOFF_MAX_PAYLOAD"):
     app.conf.lease_handoff_max_payload = int(env["CL_HANDOFF_MAX_PAYLOAD"])
 if env.get("CL_POLLING") == "0":  # the negative control of the polling places
-    import celery_lease._task as _task_module
+    from celery_lease import _attempt
 
-    _task_module.POLLING_PLACES = False
+    _attempt.POLLING_PLACES = False
 if env.get("CL_PASS_THE_TURN") == "0":  # the negative control of the turn checks and passes
     from celery_lease import _wakes
 
@@ -775,97 +779,105 @@ def running_duplicate_fail(self: Any, n: int) -> dict[str, Any]:
 if env.get("CL_DUPLICATE_REARM") == "off":
     # Negative control: a busy duplicate of the running execution is handled like other
     # contention (on_busy and the busy budget apply), as before the fix.
-    from celery_lease import LeaseTask
+    from celery_lease import _waiting
 
-    _lease_busy = LeaseTask._lease_busy
+    _lease_busy = _waiting.lease_busy
 
-    def _busy_without_duplicates(self: Any, busy: Any, settings: Any, **kw: Any) -> Any:
+    def _busy_without_duplicates(task: Any, setup: Any, busy: Any, *a: Any) -> Any:
         busy.duplicate = False
-        return _lease_busy(self, busy, settings, **kw)
+        return _lease_busy(task, setup, busy, *a)
 
-    LeaseTask._lease_busy = _busy_without_duplicates  # type: ignore[method-assign]
+    _waiting.lease_busy = _busy_without_duplicates  # type: ignore[assignment]
 
 
 if env.get("CL_EARLY_RETRY") == "off":
     # Negative control of test_handoff_early_wake.py: an early-woken copy refused before the
     # release landed is not sent again shortly; it waits with the back-off like other copies.
-    import celery_lease._task as _early_task_module
+    from celery_lease import _waiting as _early_waiting
 
-    _early_task_module.EARLY_RETRY_DELAYS = ()
+    _early_waiting.EARLY_RETRY_DELAYS = ()
+
+
+if env.get("CL_POLL_ROUTE") == "own":
+    # Negative control of test_handoff_line.py: a polling waiter's copies go through its task
+    # queue (behind its backlog), not through the wake queue.
+    from celery_lease import _waiting as _poll_waiting
+
+    _poll_waiting.POLL_VIA_WAKE_QUEUE = False
 
 
 if env.get("CL_EARLY_RETRY_ROUTE") == "own":
     # Negative control of test_handoff_early_wake.py: a refused early copy is sent again on
     # its task queue, behind that queue's backlog, instead of through the wake queue.
-    import celery_lease._task as _early_route_module
+    from celery_lease import _waiting as _early_route_waiting
 
-    _early_route_module.EARLY_RETRY_VIA_WAKE_QUEUE = False
+    _early_route_waiting.EARLY_RETRY_VIA_WAKE_QUEUE = False
 
 
 if env.get("CL_FAILED_COPY") == "run":
     # Negative control of test_handoff_outcomes.py: no copy is taken for one of a failed
     # execution, so the other copy of a failed waiter runs its body again.
-    import celery_lease._task as _task_module
+    from celery_lease import _copies
 
-    _task_module._copy_of_failed = lambda lease, request: False  # type: ignore[assignment]
+    _copies.copy_of_failed = lambda lease, request: False  # type: ignore[assignment]
 
 
 if env.get("CL_REFUSED_COPY") == "retry":
     # Negative control of test_handoff_failed_copies.py: a hand-off copy refused again ends
     # with Retry (Celery stores RETRY), as a message's first refusal does.
-    from celery_lease import LeaseTask
+    from celery_lease import _execution
 
-    _requeue = LeaseTask._requeue
+    _requeue = _execution.requeue
 
     def _requeue_storing(
-        self: Any, exc: Any, delay: float, updates: Any, store: bool = True
+        task: Any, exc: Any, delay: float, updates: Any, store: bool = True, **kw: Any
     ) -> Any:
-        return _requeue(self, exc, delay, updates)
+        return _requeue(task, exc, delay, updates, **kw)
 
-    LeaseTask._requeue = _requeue_storing  # type: ignore[method-assign]
+    _execution.requeue = _requeue_storing  # type: ignore[assignment]
 
 
 if env.get("CL_FINISHED_READ") == "off":
     # Negative control of test_handoff_failed_copies.py: no copy reads its task's state in
     # the result backend before running.
-    from celery_lease import LeaseTask
+    from celery_lease import _copies as _copies_unread
 
-    LeaseTask._task_state = lambda self, request, woken=False: None  # type: ignore[method-assign]
+    _copies_unread.task_state = lambda task, request, woken=False: None  # type: ignore[assignment]
 
 
 if env.get("CL_LISTED_ON_LOSS") == "off":
     # Negative control of test_handoff_lost_reply.py: a claim sent with a place to wake whose
     # reply was lost is taken as never listed (its copy does not count as a waiter's).
-    from celery_lease import LeaseTask
+    from celery_lease import _outcomes
 
-    _store_down = LeaseTask._store_down
+    _store_down = _outcomes.store_down
 
-    def _never_listed(self: Any, exc: Any, settings: Any, resource: Any, listed=False):
-        return _store_down(self, exc, settings, resource)
+    def _never_listed(task: Any, setup: Any, exc: Any, resource: Any, listed=False, gate=None):
+        return _store_down(task, setup, exc, resource, gate=gate)
 
-    LeaseTask._store_down = _never_listed  # type: ignore[method-assign]
+    _outcomes.store_down = _never_listed  # type: ignore[assignment]
 
 
 if env.get("CL_LISTED_AT") == "now":
     # Negative control of test_handoff_gave_up.py: a re-armed place counts as listed now,
     # not from its first listing (the stamp before review 1).
-    import celery_lease._task as _listed_module
     from celery_lease import _clock
+    from celery_lease import _message as _listed_module
 
     def _listed_now(request: Any) -> float:
-        down = _listed_module._header(request, _listed_module.STORE_DOWN_HEADER)
+        down = _listed_module.read_header(request, _listed_module.STORE_DOWN_HEADER)
         now = _clock.wall()
         return now if down is None else min(now, float(down))
 
-    _listed_module._listed_at = _listed_now
+    _listed_module.listed_at = _listed_now
 
 
 if env.get("CL_GAVE_UP_READ") == "off":
     # Negative control of test_handoff_gave_up.py: a woken copy never reads its task's state
     # in the result backend, also when its back-stop sibling may have given up.
-    from celery_lease import LeaseTask
+    from celery_lease import _copies as _copies_trusting
 
-    LeaseTask._sibling_may_have_given_up = lambda self, request, settings, lease=None: False  # type: ignore[method-assign]
+    _copies_trusting.sibling_may_have_given_up = lambda task, request, settings, lease=None: False  # type: ignore[assignment]
 
 
 if env.get("CL_WAIT_ATTEMPT") == "off":
@@ -879,9 +891,9 @@ if env.get("CL_WAIT_ATTEMPT") == "off":
 if env.get("CL_BACKSTOP") == "off":
     # Negative control of test_handoff_outcomes.py (there is no setting for it): a listed
     # waiter's re-queued copy comes 10 minutes later, so only a wake would run it in time.
-    from celery_lease import LeaseTask
+    from celery_lease._setup import TaskSetup
 
-    LeaseTask._backstop_delay = lambda self, waits, settings: 600.0  # type: ignore[method-assign]
+    TaskSetup.backstop_delay = lambda self, waits: 600.0  # type: ignore[method-assign]
 
 
 @lease_task(app=app, resource="conn-{n}")

@@ -59,6 +59,7 @@ PARAMS = {
     "a": 0,
     "pn": "job",
     "since": None,
+    "skew": 5_000_000,
 }
 
 

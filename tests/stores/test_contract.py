@@ -283,6 +283,21 @@ class TestReadAndAdmin:
         assert nxt.fence >= held.fence + 2
         assert store.force_release(names + "none") is None
 
+    def test_highest_fence_outlives_the_lease(self, store, names):
+        """highest_fence names the newest fence granted, held or released or force-released
+        (its bump counted), and the next claim's fence is above it; None before any claim."""
+        resource = names + "a"
+        assert store.highest_fence(resource) is None
+        first = store.acquire(resource, Owner.new(), LONG)
+        assert store.highest_fence(resource) == first.fence
+        store.release(first)
+        assert store.get(resource) is None and store.highest_fence(resource) == first.fence
+        second = store.acquire(resource, Owner.new(), LONG)
+        store.force_release(resource)
+        bumped = store.highest_fence(resource)
+        assert bumped is not None and bumped > second.fence
+        assert store.acquire(resource, Owner.new(), LONG).fence > bumped
+
     def test_force_release_warns_on_the_backend_logger(self, store, names, request, caplog):
         """The force-release warning is on the backend's own logger (as before stores became
         packages), so logging set up for ``celery_lease.stores.redis`` / ``.sql`` still sees it;
@@ -334,6 +349,34 @@ class TestReadAndAdmin:
         assert loss(store.verify, held) == ("taken_over", "next")
         store.release(nxt)
         assert loss(store.verify, held) == ("released", None)  # a later claim ends the mark
+
+    def test_a_takeover_whose_lease_expired_too_is_not_called_the_holder(self, store, names):
+        """The frozen owner's renewal, verify and checkpoint after its successor's lease ran
+        out as well: "taken over by X (fence N), whose lease has since expired", no
+        holder_label; while the successor is live (the control): "now held by X"."""
+        frozen = store.acquire(names + "a", Owner.new("frozen"), SHORT)
+        expire(store, names + "a")
+        successor = store.acquire(names + "a", Owner.new("successor"), SHORT)
+        expire(store, names + "a")
+        for call in (store.renew, store.verify):
+            with pytest.raises(LeaseLostError) as caught:
+                call(frozen)
+            error = caught.value
+            assert (error.reason, error.holder_label) == ("taken_over", None), str(error)
+            assert (
+                f"taken over by 'successor' (fence {successor.fence}), whose lease has since "
+                "expired"
+            ) in str(error)
+            assert "now held by" not in str(error)
+            again = pickle.loads(pickle.dumps(error))
+            assert (str(again), again.holder_label) == (str(error), None)
+        live = store.acquire(names + "b", Owner.new("frozen"), SHORT)
+        expire(store, names + "b")
+        newer = store.acquire(names + "b", Owner.new("successor"), LONG)
+        with pytest.raises(LeaseLostError) as caught:
+            store.renew(live)
+        assert caught.value.holder_label == "successor"
+        assert f"now held by 'successor' with fence {newer.fence}" in str(caught.value)
 
     def test_health_check_answers(self, store):
         """check_health() returns a list of warnings (possibly empty) from a reachable store."""

@@ -1,23 +1,31 @@
 """Every store decides the hand-off alike: the same steps, in lockstep, the same answers.
 
 Memory, Redis, Redis Cluster, SQLite, and PostgreSQL with and without its wait-list functions are
-driven through one script of steps at once (each on a resource of its own): claims with and
-without a place in the wait list, claims sent again by the same owner (a lost reply) before and
-after their lease ran out, copies of older attempts, releases with and without an outcome,
-renewals, evictions (with the fence shown, or a stale one), passes of ``wake_due`` (on the
-resource, and over every list), sweeps, and a look at the wait list after every step. The first
-step on which one store answers or lists differently from the others fails the test and prints
-the steps so far.
+driven through one script of steps at once (each on resources of its own: "hot", and a second
+one in the same Redis shard, so that Redis's per-shard limit is the limit over both): claims
+with and without a place in the wait list, published at a time past, or ahead of the store's
+clock (within its tolerance, and far past it), claims sent again by the same owner (a lost
+reply) before and after their lease ran out, copies of older attempts, releases with and without
+an outcome, renewals, evictions (with the fence shown, or a stale one), passes of ``wake_due``
+(on "hot", and over every list, with and without a small limit), sweeps, and a look at the
+wait lists after every step. The first step on which one store answers or lists differently
+from the others fails the test and prints the steps so far.
 
 Time: the steps come in bursts every two seconds, each within 0.5 s. Every deadline a step sets
 (a hand-off grace of 0.6 s and a polling waiter's hold of two, the pause of 10 graces after a
 missed wake, leases and places of 1 s, 3 s or 60 s) ends 0.6-1.5 s past a burst's start:
 between bursts, never between two stores' runs of one step, so every store sees the same side
-of it. A run whose burst took longer (a loaded machine) proves nothing and is run again.
+of it. Publish times ahead of the clock are kept (0.5 s or 2.5 s ahead: the same absolute time
+for every store) or capped at the store's now plus ``SINCE_SKEW`` (5 s): the first land
+0.5-1 s past a burst's start, the capped ones 1-1.5 s, so neither falls near a time a store
+stamps (its now, in a burst) or the other kind. A run whose burst took longer (a loaded
+machine) proves nothing and is run again.
 
 This is how the stores' one disagreement about the pause after a missed wake was found (issue
 27, item 5): ``TestNegativeControl`` puts that rule back into one store and shows the run
-catches it. ``CELERY_LEASE_LOCKSTEP_SEEDS=N`` runs N more seeds (a longer run, not in CI).
+catches it; likewise the old limit of ``wake_due`` (held resources counted) and a store without
+the tolerance for publish times ahead of its clock. ``CELERY_LEASE_LOCKSTEP_SEEDS=N`` runs N
+more seeds (a longer run, not in CI).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -38,6 +47,7 @@ from hypothesis.stateful import (
 )
 
 from celery_lease import IdentityDoneError, LeaseBusyError, LeaseLostError, Owner
+from celery_lease.stores._bounds import SINCE_SKEW
 from celery_lease.stores.base import POLL
 from tests.conftest import make_store
 
@@ -51,18 +61,48 @@ SHORT = 1.0  # a lease or place that lapses before the next burst
 LONG = 60.0
 NAMES = [f"w{k}" for k in range(5)]
 KINDS = ("memory", "redis", "redis_cluster", "sqlite", "postgres", "postgres_fallback")
+#: Publish times ahead of the clock (seconds ago, negative): kept (0.5 s, 2.5 s ahead: they land
+#: 0.5-1 s past a burst's start), and capped at now + SINCE_SKEW (an hour ahead: 1-1.5 s past
+#: one, as SINCE_SKEW is 5 s).
+AHEAD = (-0.5, -2.5, -3600.0)
+assert SINCE_SKEW % PERIOD == 1.0, "capped publish times would land near other stamps"
 SEEDS = [1, 2, 3, *range(100, 100 + int(os.environ.get("CELERY_LEASE_LOCKSTEP_SEEDS", "0")))]
 
 
-class Side:
-    """One store, its resource, and the leases the run holds there by name."""
+class Ago(float):
+    """A publish time this many seconds before the step runs (negative: ahead of the clock),
+    turned into one absolute time for every store when the step runs (:func:`resolved`)."""
 
-    def __init__(self, kind: str, store: Any) -> None:
+    def __repr__(self) -> str:
+        return f"Ago({float(self)})"
+
+
+def resolved(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A step's arguments with each :class:`Ago` made microseconds since the epoch, now."""
+    now = time.time()
+    return tuple(int((now - a) * 1e6) if isinstance(a, Ago) else a for a in args)
+
+
+def beside(resource: str) -> str:
+    """A resource name in ``resource``'s Redis shard (crc32 modulo the default 16 shards)."""
+    shard = zlib.crc32(resource.encode()) % 16
+    names = (f"{resource}-{k}" for k in range(1000))
+    return next(name for name in names if zlib.crc32(name.encode()) % 16 == shard)
+
+
+class Side:
+    """One store, its resources ("hot" and one beside it), and the leases the run holds there
+    by key: the claimant's name, with "@1" on the second resource."""
+
+    def __init__(self, kind: str, store: Any, resource: str = "hot") -> None:
         store.handoff_grace = GRACE
         self.kind = kind
         self.store = store
-        self.resource = "hot"
-        self.held: dict[str, Any] = {}  # name -> its latest lease
+        self.resource = resource
+        self.resources = (self.resource, beside(self.resource))
+        for shard_of in filter(None, [getattr(store, "shard_of", None)]):
+            assert shard_of(self.resources[1]) == shard_of(self.resource)
+        self.held: dict[str, Any] = {}  # key -> its latest lease
         self.owners: dict[str, Owner] = {}
 
     def claim(
@@ -74,16 +114,19 @@ class Side:
         attempt: int | None,
         how: str = "id",
         since: int | None = None,
+        where: int = 0,
     ) -> Any:
         """``how``: "id" (the name is the identity), "poll" (an identity asking for a polling
-        place), "waiter" (no identity: a polling place named by the waiter name)."""
-        owner = self.owners.get(name) if retry else None
+        place), "waiter" (no identity: a polling place named by the waiter name); ``where``:
+        which resource (0: "hot")."""
+        key = f"{name}@{where}" if where else name
+        owner = self.owners.get(key) if retry else None
         owner = owner or Owner.new(f"host:1:{name}")
-        self.owners[name] = owner
+        self.owners[key] = owner
         payload = POLL if how in ("poll", "waiter") else f"{name}-payload"
         try:
             lease = self.store.acquire(
-                self.resource,
+                self.resources[where],
                 owner,
                 ttl,
                 identity=None if how == "waiter" else name,
@@ -104,7 +147,7 @@ class Side:
             )
         except IdentityDoneError as done:
             return ("done", done.owner_label)
-        self.held[name] = lease
+        self.held[key] = lease
         return ("claimed", lease.identity_state, lease.recovered)
 
     def release(self, name: str, outcome: str | None) -> Any:
@@ -130,22 +173,32 @@ class Side:
         lease = self.held.get(name) if name else None
         try:
             evicted = self.store.force_release(
-                self.resource, fence=None if lease is None else lease.fence
+                self.resource if lease is None else lease.resource,
+                fence=None if lease is None else lease.fence,
             )
         except LeaseBusyError as busy:
             return ("changed hands", busy.holder_label)
         return ("evicted", None if evicted is None else evicted.owner_label)
 
-    def wake_due(self, every: bool) -> Any:
-        due = self.store.wake_due() if every else self.store.wake_due(resources=[self.resource])
-        return ("due", [(d.payload, d.again) for d in due])
+    def wake_due(self, every: bool, limit: int | None = None) -> Any:
+        """``every``: a pass over every list (with ``limit``, if given), else on "hot"."""
+        if every:
+            due = self.store.wake_due() if limit is None else self.store.wake_due(limit=limit)
+        else:
+            due = self.store.wake_due(resources=[self.resource])
+        return ("due", [(self.where(d.resource), d.payload, d.again) for d in due])
+
+    def where(self, resource: str) -> Any:
+        return self.resources.index(resource) if resource in self.resources else resource
 
     def sweep(self) -> Any:
         self.store.sweep_expired(limit=1000)
         return ("swept",)
 
     def view(self) -> list[tuple[str, bool]]:
-        return [(w.identity, w.woken) for w in self.store.waiters(self.resource)]
+        """Both wait lists: "hot"'s, then the second's (its names with "@1")."""
+        cold = [(f"{w.identity}@1", w.woken) for w in self.store.waiters(self.resources[1])]
+        return [(w.identity, w.woken) for w in self.store.waiters(self.resource)] + cold
 
 
 class Steps:
@@ -163,7 +216,8 @@ class Steps:
         if roll < 0.2 and held:
             return "release", (rng.choice(held), rng.choice([None, None, "retry", "done"]))
         if roll < 0.27:
-            return "wake_due", (rng.random() < 0.3,)
+            every = rng.random() < 0.4
+            return "wake_due", (every, rng.choice([None, 1, 1, 2]) if every else None)
         if roll < 0.3 and held:
             return "renew", (rng.choice(held),)
         if roll < 0.32:
@@ -172,8 +226,11 @@ class Steps:
             return "sweep", ()
         if waiting and rng.random() < 0.5:
             name = waiting[0][0] if rng.random() < 0.7 else rng.choice(waiting)[0]
+            name, _, side = name.partition("@")
+            where = int(side or 0)
         else:
             name = rng.choice(NAMES)
+            where = int(rng.random() < 0.25)
         if rng.random() < 0.1:
             self.attempts[name] += 1
         current = self.attempts[name]
@@ -187,9 +244,18 @@ class Steps:
             SHORT if rng.random() < 0.4 else LONG,
             attempt,
             how,
-            # (when it was published: seconds ago, the same for every store)
-            int((time.time() - rng.uniform(1, 30)) * 1e6) if rng.random() < 0.3 else None,
+            # (when it was published: seconds ago or ahead, the same for every store)
+            self.published(),
+            where,
         )
+
+    def published(self) -> Ago | None:
+        roll = self.rng.random()
+        if roll < 0.2:
+            return Ago(self.rng.uniform(1, 30))
+        if roll < 0.35:
+            return Ago(self.rng.choice(AHEAD))
+        return None
 
 
 def hold(name: str) -> tuple[str, tuple[Any, ...]]:
@@ -198,6 +264,16 @@ def hold(name: str) -> tuple[str, tuple[Any, ...]]:
 
 def wait(name: str, ttl: float = LONG) -> tuple[str, tuple[Any, ...]]:
     return "claim", (name, False, True, ttl, None)
+
+
+def published(name: str, ago: float, where: int = 0) -> tuple[str, tuple[Any, ...]]:
+    """A claim with a place, published ``ago`` seconds before it runs (negative: ahead)."""
+    return "claim", (name, False, True, LONG, None, "id", Ago(ago), where)
+
+
+def on_second(name: str, ttl: float = LONG, wait: bool = True) -> tuple[str, tuple[Any, ...]]:
+    """A claim on the second resource, with a place or not."""
+    return "claim", (name, False, wait, ttl, None, "id", None, 1)
 
 
 def release(name: str) -> tuple[str, tuple[Any, ...]]:
@@ -249,6 +325,28 @@ SCENARIOS: dict[str, list[list[tuple[str, tuple[Any, ...]]]]] = {
         [hold("h"), wait("w0"), ("evict", ("h",)), ("wake_due", (False,))],
         [hold("w0"), ("evict", (None,)), hold("z"), ("release", ("h", None))],
     ],
+    # publish times ahead of the clock (a publisher's clock a little fast, and far ahead):
+    # b, published after a, claims first; c's time is capped; d arrives without one; f was
+    # published before everyone listed
+    "publish times ahead": [
+        [hold("h"), published("b", -0.6), published("a", -0.5), published("c", -3600.0)],
+        [wait("d"), published("e", -2.5), release("h")],
+        [wait("a"), published("f", 5.0), release("a"), hold("x")],
+    ],
+    # a pass with limit 1: a held resource whose list lapses first, and a free one behind it
+    # whose holder died (issue F8: memory and Redis counted the held one and woke nobody)
+    "a held list ahead of a free one": [
+        [hold("h"), wait("w0"), on_second("d", SHORT, wait=False), on_second("w1")],
+        [("wake_due", (True, 1)), ("wake_due", (True, 1)), ("wake_due", (True, 2))],
+        [("wake_due", (True, 1)), release("h"), ("wake_due", (True, 1))],
+    ],
+    # a free resource whose every place lapsed comes first in the lists' order: it does not
+    # count against the limit either
+    "a lapsed list ahead of a free one": [
+        [("claim", ("d", False, False, SHORT, None)), wait("w0", SHORT)],
+        [on_second("e", SHORT, wait=False), on_second("w1")],
+        [("wake_due", (True, 1)), ("sweep", ()), ("wake_due", (True, 1))],
+    ],
 }
 
 
@@ -265,7 +363,8 @@ def compare(sides: list[Side], plan: Any, periods: int, what: str) -> str | None
         if pause > 0:
             time.sleep(pause)
         for kind, args in plan(period, sides[0].view, list(sides[0].held)):
-            answers = [getattr(side, kind)(*args) for side in sides]
+            now_args = resolved(args)
+            answers = [getattr(side, kind)(*now_args) for side in sides]
             views = [side.view() for side in sides]
             history.append(f"{period}: {kind}{args} -> {answers[0]}; list {views[0]}")
             if any(a != answers[0] for a in answers) or any(v != views[0] for v in views):
@@ -326,8 +425,7 @@ def make_sides(request, tmp_path):
             request.addfinalizer(store.close)
             sides.append(Side(kind, store))
         for side in sides:  # (connections opened and scripts loaded before the clock starts)
-            warm = Side(side.kind, side.store)
-            warm.resource = "warm"
+            warm = Side(side.kind, side.store, "warm")
             warm.claim("h", False, False, LONG, None)
             warm.claim("w", False, True, LONG, 0)  # (refused: listed)
             warm.renew("h")
@@ -336,6 +434,7 @@ def make_sides(request, tmp_path):
             warm.release("w", None)  # (nobody waits on "warm" now: the passes find nothing)
             warm.wake_due(False)
             warm.wake_due(True)
+            warm.wake_due(True, 1)
             warm.evict(None)
             warm.sweep()
             warm.view()
@@ -390,6 +489,46 @@ class TestNegativeControl:
         assert caught is not None, "the old rule went unnoticed"
         print(caught)
 
+    def test_a_store_that_counts_held_resources_against_the_limit_is_caught(
+        self, make_sides, monkeypatch
+    ):
+        """Memory with the rule wake_due had before F8 (the first ``limit`` lists by their
+        lapse, held ones among them, then skipped), against Redis: the scenario tells them
+        apart."""
+        from celery_lease.stores.memory import MemoryLeaseStore
+
+        real = MemoryLeaseStore.wake_due
+
+        def old_wake_due(self: Any, *, resources: Any = None, limit: int = 1000) -> Any:
+            if resources is None:
+                with self._lock:
+                    lapses = sorted((max(w[2] for w in ws), r) for r, ws in self._waits.items())
+                resources = [r for _, r in lapses[:limit]]
+                if not resources:
+                    return []
+            return real(self, resources=resources, limit=limit)
+
+        monkeypatch.setattr(MemoryLeaseStore, "wake_due", old_wake_due)
+        caught = compare_until_timely(
+            make_sides, "scenario 'a held list ahead of a free one'", kinds=("memory", "redis")
+        )
+        assert caught is not None, "the old limit went unnoticed"
+        print(caught)
+
+    def test_a_store_without_the_tolerance_for_publish_times_ahead_is_caught(
+        self, make_sides, monkeypatch
+    ):
+        """Memory with the rule before F7 (a publish time ahead of its clock counts as now),
+        against Redis: the scenario tells them apart."""
+        from celery_lease.stores.memory import MemoryLeaseStore
+
+        monkeypatch.setattr(MemoryLeaseStore, "_since_skew_us", 0)
+        caught = compare_until_timely(
+            make_sides, "scenario 'publish times ahead'", kinds=("memory", "redis")
+        )
+        assert caught is not None, "the missing tolerance went unnoticed"
+        print(caught)
+
 
 # -- the same comparison, its steps chosen by Hypothesis ------------------------------------------
 #: Examples per run in CI (each builds every store afresh and sleeps through its bursts: about
@@ -417,7 +556,8 @@ class LockstepMachine(RuleBasedStateMachine):
 
     def _step(self, kind: str, *args: Any) -> None:
         self._burst()
-        answers = [getattr(side, kind)(*args) for side in self.sides]
+        now_args = resolved(args)  # (publish times made absolute inside the burst)
+        answers = [getattr(side, kind)(*now_args) for side in self.sides]
         views = [side.view() for side in self.sides]
         overran = time.monotonic() - self.start - self.period * PERIOD >= BURST
         self.history.append(f"{self.period}: {kind}{args} -> {answers[0]}; list {views[0]}")
@@ -455,7 +595,8 @@ class LockstepMachine(RuleBasedStateMachine):
         ttl=st.sampled_from([SHORT, LONG]),
         attempt=st.sampled_from([None, 0, 1]),
         how=st.sampled_from(["id", "id", "poll", "waiter"]),
-        ago=st.sampled_from([None, None, 5.0, 10.0, 20.0]),
+        ago=st.sampled_from([None, None, 5.0, 10.0, 20.0, *AHEAD]),
+        where=st.sampled_from([0, 0, 0, 1]),
     )
     def claim(
         self,
@@ -466,9 +607,10 @@ class LockstepMachine(RuleBasedStateMachine):
         attempt: int | None,
         how: str,
         ago: float | None,
+        where: int,
     ) -> None:
-        since = None if ago is None else int((time.time() - ago) * 1e6)
-        self._step("claim", name, retry, wait, ttl, attempt, how, since)
+        since = None if ago is None else Ago(ago)
+        self._step("claim", name, retry, wait, ttl, attempt, how, since, where)
 
     def _held(self) -> list[str]:
         return sorted(self.sides[0].held)
@@ -487,9 +629,9 @@ class LockstepMachine(RuleBasedStateMachine):
     def evict(self, data: Any) -> None:
         self._step("evict", data.draw(st.sampled_from([*self._held(), None])))
 
-    @rule(every=st.booleans())
-    def wake_due(self, every: bool) -> None:
-        self._step("wake_due", every)
+    @rule(every=st.booleans(), limit=st.sampled_from([None, 1, 2]))
+    def wake_due(self, every: bool, limit: int | None) -> None:
+        self._step("wake_due", every, limit if every else None)
 
     @rule()
     def sweep(self) -> None:
@@ -526,8 +668,8 @@ def test_negative_control_the_machine_catches_a_store_that_wakes_nobody(make_sid
     monkeypatch.setattr(MemoryLeaseStore, "release", release)
     LockstepMachine.make = lambda: make_sides(kinds=("memory", "redis"))
     machine = LockstepMachine()
-    machine.claim("w4", False, False, LONG, None, "id", None)
-    machine.claim("w0", False, True, LONG, 0, "id", None)
+    machine.claim("w4", False, False, LONG, None, "id", None, 0)
+    machine.claim("w0", False, True, LONG, 0, "id", None, 0)
 
     class Drawn:
         def draw(self, strategy: Any) -> str:

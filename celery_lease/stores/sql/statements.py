@@ -162,12 +162,16 @@ class Statements:
                 prev_fence = NULL
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}"""
         self.waiters = f"SELECT waits, {now} FROM {t} WHERE resource = {p('r')}"
-        # wake_due (invariant 16): free resources with a wait list, through the list index;
-        # then each one's list, and its rewrite (PostgreSQL: only if nothing changed the row
-        # since it was read; SQLite: both in one BEGIN IMMEDIATE).
+        # wake_due (invariant 16): free resources with a live wait list, through the list index
+        # (a held one, or one whose places all lapsed, does not count against the limit; the
+        # clock read once, so that the lapse bound is an index condition); then each one's list,
+        # and its rewrite (PostgreSQL: only if nothing changed the row since it was read;
+        # SQLite: both in one BEGIN IMMEDIATE).
         self.due_candidates = f"""
+            WITH clk AS (SELECT {now} AS us)
             SELECT resource FROM {t}
-            WHERE waits_expire_us IS NOT NULL AND (owner_token IS NULL OR expires_us <= {now})
+            WHERE waits_expire_us IS NOT NULL AND waits_expire_us > (SELECT us FROM clk)
+              AND (owner_token IS NULL OR expires_us <= (SELECT us FROM clk))
             ORDER BY waits_expire_us LIMIT {p("n")}"""
         self.due_read = f"""
             SELECT waits, wait_slow_us, owner_token, expires_us, fence, {now}

@@ -32,7 +32,7 @@ from ..._errors import (
     LeaseStoreError,
 )
 from ..._lease import Lease, LeaseInfo, Owner
-from ..._names import mask_url, validate_identifier, validate_resource
+from ..._names import mask_url, validate_fence, validate_identifier, validate_resource
 from .._connections import Once
 from ..base import (
     DEFAULT_MAX_TTL,
@@ -290,6 +290,7 @@ class SQLLeaseStore(BaseLeaseStore):
             "ow": own_wake,
             "pn": name,
             "since": since,
+            "skew": self._since_skew_us,
         }
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:
@@ -655,6 +656,15 @@ class SQLLeaseStore(BaseLeaseStore):
         )
         return None if row is None else lease_info(resource, *row)
 
+    def highest_fence(self, resource: str) -> int | None:
+        validate_resource(resource)
+        params = {"r": resource}
+        # (a released row keeps its fence: the state statement reads it, held or not)
+        row = self._connections.run(
+            f"fence read of {resource!r}", lambda c: fetch(c, self.sql.state, params)
+        )
+        return None if row is None else int(row[2])
+
     def list(
         self,
         *,
@@ -724,7 +734,7 @@ class SQLLeaseStore(BaseLeaseStore):
     def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
         """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the fence this
         store granted ``key`` as a resource (its lease row's); one statement."""
-        params = {"k": validate_resource(key), "f": int(fence)}
+        params = {"k": validate_resource(key), "f": validate_fence(fence)}
 
         def work(cursor: Any) -> tuple[Any, ...] | None:
             if self.dialect == "postgresql":

@@ -21,9 +21,11 @@ read is ``FOR UPDATE``), which stay as the fallback for a database without them.
 Parameters: ``r`` resource, ``t`` owner token, ``l`` label, ``ttl`` (us), ``i`` identity or
 NULL, ``w`` wake payload or NULL, ``wttl`` how long a place is kept (us), ``cap`` wait list cap,
 ``grace`` hand-off grace (us), ``wbytes`` the most bytes of payloads a list holds (a join
-that would pass it, or ``cap``, is refused unlisted), ``a`` the claim's attempt or NULL. A
-waiter is ``[identity, since, expires, woken_until, payload, attempt]`` (no attempt in a place
-an earlier version wrote; a NULL or missing one is never older, see :func:`.waits.older`).
+that would pass it, or ``cap``, is refused unlisted), ``a`` the claim's attempt or NULL,
+``since`` when its message was published (us) or NULL, ``skew`` how far ahead of the clock
+that may lie (us; later counts as that far ahead). A waiter is ``[identity, since, expires,
+woken_until, payload, attempt]`` (no attempt in a place an earlier version wrote; a NULL or
+missing one is never older, see :func:`.waits.older`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
     wttl, cap = f"{p('wttl')}::bigint", f"{p('cap')}::bigint"
     wbytes, a = f"{p('wbytes')}::bigint", f"{p('a')}::bigint"
     since = f"{p('since')}::bigint"
+    # (a publish time counts as at most skew us ahead of the statement's clock, SINCE_SKEW)
+    at = f"least(k.us + {p('skew')}::bigint, coalesce({since}, k.us))"
     # a woken waiter's grace: POLL_HOLD graces for a polling one (it polls once a grace)
     held = f"CASE WHEN x.e->>4 = '{POLL}' THEN {POLL_HOLD} * {grace} ELSE {grace} END"
     # a re-armed place takes its new payload within the bytes bound (base.rearm_fits)
@@ -105,9 +109,8 @@ def claim_settle(t: str, p: Callable[[str], str], duplicate: str, not_done: str)
                 h.e AS head, h.pos AS hpos,
                 (SELECT count(*) FROM lw) AS cnt,
                 (SELECT count(*) FROM lw WHERE lw.e->>4 <> '{POLL}') AS mcnt,
-                least(k.us, coalesce({since}, k.us)) AS at,
-                (SELECT count(*) FROM lw WHERE (lw.e->>1)::bigint
-                    <= least(k.us, coalesce({since}, k.us))) AS before,
+                {at} AS at,
+                (SELECT count(*) FROM lw WHERE (lw.e->>1)::bigint <= {at}) AS before,
                 (SELECT coalesce(sum(octet_length(lw.e->>4)), 0) FROM lw
                  WHERE lw.e->>4 <> '{POLL}') AS bytes,
                 (SELECT lw.pos FROM lw WHERE lw.e->>0 = {i}) AS mine,
@@ -296,6 +299,7 @@ SETTLE_ARGS = (
     ("ow", "boolean"),
     ("pn", "varchar"),
     ("since", "bigint"),
+    ("skew", "bigint"),
     ("now", "bigint"),
     ("running", "bigint"),
     ("was_fence", "bigint"),

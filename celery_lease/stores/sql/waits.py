@@ -115,6 +115,7 @@ class Waits:
         bytes_cap: int,
         attempt: int | None = None,
         since: int | None = None,
+        skew: int = 0,
     ) -> int:
         """Put ``identity`` at the back, or keep and refresh its place; its place (0: the list
         is full: ``cap`` places, or its payloads would pass ``bytes_cap`` bytes).
@@ -145,8 +146,9 @@ class Waits:
             payload = POLL  # no room for its message: a polling place
         if len(self.places) >= POLL_PLACES * cap:
             return 0
-        # behind every place not listed later than it (its publish time, else now)
-        at = min(now, since) if since is not None else now
+        # behind every place not listed later than it (its publish time, at most ``skew`` us
+        # ahead of now: a publisher's clock a little fast keeps its order; else now)
+        at = min(now + skew, since) if since is not None else now
         place = len(self.places)
         while place and int(self.places[place - 1][1]) > at:
             place -= 1
@@ -218,6 +220,7 @@ def decide(
     grace_us: int,
     attempt: int | None = None,
     since: int | None = None,
+    skew: int = 0,
 ) -> Settled:
     """Settle a claim against its lease row: ``holder`` is (owner_token, expires_us, now);
     ``identity``: the name of the claim's place."""
@@ -242,7 +245,7 @@ def decide(
         return settled
     if payload is not None and identity is not None and not (verdict == "busy" and duplicate):
         settled.position = waits.join(
-            identity, payload, now + wait_ttl_us, now, cap, bytes_cap, attempt, since
+            identity, payload, now + wait_ttl_us, now, cap, bytes_cap, attempt, since, skew
         )
         settled.polling = waits.polling(settled.position)
         # Refused unlisted, the list is as it was (lapsed places and a missed wake are read
@@ -311,6 +314,7 @@ def settle(
         grace_us=params["grace"],
         attempt=params.get("a"),
         since=params.get("since"),
+        skew=params["skew"],
     )
     if settled.verdict == "claim":
         cursor.execute(sql.take, {**params, "now": now, **stored(settled.waits)})
