@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import unique
+from tests.integration.harness import worker_store
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -147,29 +148,56 @@ def _enter_within(events, n, k, since, bound):
     return enter["t"] - since
 
 
-@pytest.mark.parametrize("exit_turns", ["on", "off"])
+@pytest.mark.parametrize("exit_turns", ["handed", "kept", "off"])
 def test_a_dropped_head_passes_on_though_the_releasing_pool_process_exits(
     it_app, start_worker, store_env, events, coord, queue, exit_turns
 ):
-    """Prefork with ``--max-tasks-per-child=1``: the pool process that released the holder
-    exits right after it, with the turn check of the wake it sent still pending. It runs the
-    check before it exits (about a grace), so W2 runs about a grace after the holder ends.
-    Negative control (``CL_EXIT_TURNS=0``): the check dies with the process and W2 waits for a
-    pass. Before: W2 started 9-12 s after the holder ended (ttl 30), or at its back-stop."""
-    env = {**store_env("redis"), **NO_PASS}
-    if exit_turns == "off":
-        env["CL_EXIT_TURNS"] = "0"
-    start_worker(env, queue=queue, pool="prefork", extra_args=("--max-tasks-per-child=1",))
+    """Prefork, two pool processes recycled after each task (``--max-tasks-per-child=1``),
+    grace 2 s: H holds; W1 (revoked), W2 and W3 wait; then a plain task takes the other pool
+    slot for the rest of the test. The pool process that released H exits right after it,
+    the turn check of W1's wake pending: it hands the check to the worker's main process,
+    which wakes W2 once W1's grace is over. W2 hands over to W3 and exits the same way, so W3
+    runs at once in the next pool process. Controls: ``kept``
+    (``CL_HAND_OVER=0``): each pool process runs its own checks before it exits; W2 is still
+    on time, but the one pool slot is held meanwhile, so W3 waits for the check of its own
+    wake (a grace). ``off`` (``CL_EXIT_TURNS=0``): the check dies with the process; nobody
+    wakes W2. Before: W2 started 9-12 s after the holder ended (ttl 30), or at its back-stop."""
+    grace = 2.0
+    env = {**store_env("redis"), **NO_PASS, "CL_HANDOFF_GRACE": str(grace)}
+    env.update({"kept": {"CL_HAND_OVER": "0"}, "off": {"CL_EXIT_TURNS": "0"}}.get(exit_turns, {}))
+    start_worker(
+        env, queue=queue, pool="prefork", concurrency=2, extra_args=("--max-tasks-per-child=1",)
+    )
     n = unique("t")
-    go, (w1, _w2) = _held_with_waiters(it_app, events, queue, n, *[it_app.fifo_hold] * 2)
+    go, (w1, *_) = _held_with_waiters(it_app, events, queue, n, *[it_app.fifo_hold] * 3)
+    # (one pool slot left for the waiters: the other runs this until the test is over)
+    it_app.plain_step.apply_async((f"busy-{n}", 0, 12.0), queue=queue)
+    events.wait(ev="enter", res=f"busy-{n}", k=0)
     _revoke(it_app, w1)
     ended = _let_go(coord, events, go, n)
+    if exit_turns == "off":
+        woken = _woken_at(env, n, ended + grace + 1.5)
+        assert not woken and not events.where(ev="enter", res=n, k=2), woken
+        return
     gap = _enter_within(events, n, 2, ended, BOUND)
-    if exit_turns == "on":
-        assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    w2_ended = events.wait(ev="exit", res=n, k=2, timeout=30)["t"]
+    w3_gap = events.wait(ev="enter", res=n, k=3, timeout=30)["t"] - w2_ended
+    if exit_turns == "handed":  # (the next pool process's start)
+        assert w3_gap < 1.5, f"W3 started {w3_gap:.1f}s after W2 ended"
     else:
-        assert gap is None, f"W2 started {gap:.1f}s after the holder ended, with no turn check"
+        assert w3_gap > grace, f"W3 started {w3_gap:.1f}s after W2 ended"
     assert not events.where(ev="enter", res=n, k=1), "the dropped waiter ran"
+
+
+def _woken_at(env, n, when):
+    """The waiters of ``fifo-<n>`` woken at ``when`` (wall clock; waits until then)."""
+    time.sleep(max(0.0, when - time.time()))
+    store = worker_store(env)
+    try:
+        return [w.identity for w in store.waiters(f"fifo-{n}") if w.woken]
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("due", ["hold", "grace"])
@@ -179,8 +207,9 @@ def test_a_dropped_polling_head_passes_the_turn_when_its_hold_ends(
     """P (``identity=False``: a polling place) waits ahead of W2 and is revoked. H's release
     gives P its turn, held two graces (it polls once a grace). The turn check runs when that
     hold ends and wakes W2. Negative control (``CL_POLL_TURN_GRACES=1``: the check one grace
-    after the wake, as before): it finds P's hold still in flight and nothing checks again, so
-    W2 waits for a pass. Before: W2 started 3.9-6.4 s (ttl 30) or 16-17 s (ttl 60) late."""
+    after the wake, as before): it finds P's hold still in flight and nothing checks again;
+    nobody wakes W2 (a pass would, 16-24 s later). Before: W2 started 3.9-6.4 s (ttl 30) or
+    16-17 s (ttl 60) late."""
     env = {**store_env("redis"), **NO_PASS}
     if due == "grace":
         env["CL_POLL_TURN_GRACES"] = "1"
@@ -190,9 +219,10 @@ def test_a_dropped_polling_head_passes_the_turn_when_its_hold_ends(
     go, (polling, _w2) = _held_with_waiters(it_app, events, queue, n, *waiters)
     _revoke(it_app, polling)
     ended = _let_go(coord, events, go, n)
-    gap = _enter_within(events, n, 2, ended, BOUND)
-    if due == "hold":  # (two graces of 1 s, the slack, W2's trip)
-        assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
-    else:
-        assert gap is None, f"W2 started {gap:.1f}s after the holder ended"
+    if due == "grace":  # (the hold ended 2 s after the wake: a check would have run by 3.5 s)
+        woken = _woken_at(env, n, ended + 2.0 + 1.5)
+        assert not woken and not events.where(ev="enter", res=n, k=2), woken
+        return
+    gap = _enter_within(events, n, 2, ended, BOUND)  # (two graces of 1 s, the slack, W2's trip)
+    assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
     assert not events.where(ev="enter", res=n, k=1), "the revoked polling waiter ran"
