@@ -7,17 +7,21 @@ is parsed before task modules are imported).
 Importing this module (which importing ``celery_lease`` does) installs five process-wide
 hooks, marked where they happen below: an ``os.register_at_fork`` child hook that drops
 inherited store connections, a ``worker_process_shutdown`` receiver and an ``atexit`` handler
-that release the leases still held, a ``worker_process_init`` receiver that starts the
-passes over the wait lists in each prefork pool process, and a ``task_failure`` receiver that
-logs a lease task whose pool process died (``_workerlog``).
+that release the leases still held and run the turn checks still pending, a
+``worker_process_init`` receiver that starts the passes over the wait lists in the first
+prefork pool process of a worker without an event loop (one with a loop passes in its main
+process, on it: ``LeaseBootstep.register_with_event_loop``), and a ``task_failure``
+receiver that logs a lease task whose pool process died (``_workerlog``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
+import select
 import sys
 import threading
 import weakref
@@ -32,7 +36,14 @@ from ._errors import LeaseConfigError, LeaseError
 from ._names import mask_url
 from ._renewer import get_renewer
 from ._settings import MIN_STORE_CALL, LeaseSettings
-from ._wakes import WAKE_QUEUE_SUFFIX, get_waker, wake_queue, wake_queues_on
+from ._wakes import (
+    WAKE_QUEUE_SUFFIX,
+    TurnCheck,
+    drain_turns,
+    get_waker,
+    wake_queue,
+    wake_queues_on,
+)
 from ._workerlog import crash_recovery_warnings, on_task_failure, ttl_summary
 from .stores import LeaseStore, store_from_url
 from .stores.urls import store_kind
@@ -83,18 +94,23 @@ def store_timeout(settings: LeaseSettings) -> float:
     return max(MIN_STORE_CALL, window)
 
 
-def _store_options(settings: LeaseSettings) -> dict[str, Any]:
+def _store_options(settings: LeaseSettings, call_timeout: float | None = None) -> dict[str, Any]:
+    """The options of the store ``settings`` name; ``call_timeout``: how long one call may wait
+    for an answer, whatever the ttl (Redis's socket timeout, PostgreSQL's statement timeout and
+    with it the connect and TCP user timeouts), at most."""
     options = dict(settings.store_options)
     options.setdefault("retention", settings.retention)
-    timeout = store_timeout(settings)
+    timeout = store_timeout(settings) if call_timeout is None else call_timeout
     kind = store_kind(settings.store_url)  # (None: store_from_url refuses the URL anyway)
+    key = {"redis": "socket_timeout", "postgresql": "statement_timeout"}.get(kind or "")
     if kind == "redis":
         options.setdefault("key_prefix", settings.key_prefix)
-        options.setdefault("socket_timeout", timeout)
     elif kind in ("postgresql", "sqlite"):
         options.setdefault("table_prefix", settings.table_prefix)
-        if kind == "postgresql":
-            options.setdefault("statement_timeout", timeout)
+    if key is not None:
+        options.setdefault(key, timeout)
+        if call_timeout is not None:
+            options[key] = min(float(options[key]), call_timeout)
     return options
 
 
@@ -128,10 +144,13 @@ def overridden_store() -> LeaseStore | None:
     return _overrides[-1] if _overrides else None
 
 
-def get_store(app: Any, settings: LeaseSettings | None = None) -> LeaseStore:
+def get_store(
+    app: Any, settings: LeaseSettings | None = None, *, call_timeout: float | None = None
+) -> LeaseStore:
     """The lease store of ``app`` for these settings (made once per process and app).
 
-    An ``override_store()`` in effect wins over the settings.
+    An ``override_store()`` in effect wins over the settings. ``call_timeout``: a store of its
+    own whose calls wait at most that long for an answer (see ``_store_options``).
 
     Raises:
         LeaseConfigError: ``lease_store_url`` is not set or not usable.
@@ -147,7 +166,7 @@ def get_store(app: Any, settings: LeaseSettings | None = None) -> LeaseStore:
             "postgresql+psycopg://user@host/db or sqlite:///path/leases.db (celery_lease "
             "never falls back to the broker URL)"
         )
-    options = _store_options(settings)
+    options = _store_options(settings, call_timeout)
     key: _StoreKey = (
         settings.store_url,
         settings.key_prefix,
@@ -203,13 +222,25 @@ def release_all_held() -> int:
 
 def _on_process_shutdown(**_: Any) -> None:
     release_all_held()
+    # A pool process recycled right after its release: its turn check is handed to the main
+    # process (its pool slot is not held for it), or else runs before it exits.
+    turns = _parent_turns if HAND_OVER_TURNS else None
+    drain_turns(hand_over=None if turns is None else turns.hand_over)
     metrics.mark_process_dead()
 
 
-def lease_stores(app: Any) -> list[LeaseStore]:
+def _at_exit() -> None:
+    release_all_held()
+    if _parent_turns is not None:  # (a prefork worker's main process whose loop has stopped)
+        _parent_turns.take_leftovers()
+    drain_turns()  # (the CLI, a script's release_lease or force_release: about a grace)
+
+
+def lease_stores(app: Any, *, call_timeout: float | None = None) -> list[LeaseStore]:
     """The stores ``app``'s lease tasks claim in: the app's, and any a task names itself (each
-    once). A store that cannot be made now (its server is down) is left out."""
-    found: dict[int, LeaseStore] = {}
+    once). A store that cannot be made now (its server is down) is left out. ``call_timeout``:
+    stores of their own whose calls wait at most that long (see ``get_store``)."""
+    found: dict[tuple[str, str, str], LeaseStore] = {}
     settings = [LeaseSettings.resolve(app.conf)]
     lease_task_types = tuple(_lease_task_types)
     for task in list(app.tasks.values()):
@@ -219,29 +250,140 @@ def lease_stores(app: Any) -> list[LeaseStore]:
         if not each.store_url and overridden_store() is None:
             continue
         try:
-            store = get_store(app, each)
+            store = get_store(app, each, call_timeout=call_timeout)
         except LeaseError as exc:
             log.debug("celery_lease: store %s left out of the pass: %s", each.store_url, exc)
             continue
-        found.setdefault(id(store), store)
+        # One per set of wait lists: tasks whose ttls differ have stores of their own (their
+        # calls' timeouts differ), over the same lists.
+        lists = (each.store_url, each.key_prefix, each.table_prefix)
+        found.setdefault(("", "", "") if overridden_store() is not None else lists, store)
     return list(found.values())
 
 
-def _pass_over_waits(app: Any) -> None:
+def _pass_over_waits(app: Any, call_timeout: float | None = None) -> None:
     """Pass the turn on over ``app``'s wait lists every renew interval in this process (see
     ``_wakes``): a wake whose sender died, or the waiters of a holder that died, go out within
-    about the hand-off grace plus that interval."""
+    about the hand-off grace plus that interval. ``call_timeout``: through stores of their own
+    whose calls wait at most that long (an event loop waits for them)."""
     settings = LeaseSettings.resolve(app.conf)
-    get_waker().pass_every(app, settings.effective_renew_interval, lambda: lease_stores(app))
+    get_waker().pass_every(
+        app,
+        settings.effective_renew_interval,
+        lambda: lease_stores(app, call_timeout=call_timeout),
+    )
 
+
+#: Whether a prefork worker with an event loop (a Redis or AMQP broker) passes over the wait
+#: lists in its main process, on that loop (the tests' negative control sets False: in its
+#: first pool process, as a worker without an event loop does).
+PASS_IN_PARENT = True
+#: The longest one store call of a prefork worker's main process may wait for an answer: its
+#: event loop (fetching, dispatching and acking every task) waits meanwhile. A pass makes one
+#: call per store, and stops at an error until its next interval.
+PARENT_CALL_TIMEOUT = 1.0
 
 #: Apps whose prefork pool processes pass over the wait lists (see LeaseBootstep.start).
 _pass_in_children: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+class _ParentTurns:
+    """How the pool processes of a prefork worker that passes on its event loop hand their
+    pending turn checks to its main process when they exit, instead of waiting for them: a
+    process recycled by ``--max-tasks-per-child`` right after its release would hold its pool
+    slot for about a grace, and with one slot the woken waiter could not run meanwhile.
+
+    A pipe made by the main process before it forks the pool. A pool process writes one line
+    per check, ``[resource, due]`` in JSON (each written whole: under PIPE_BUF bytes); the main
+    process reads them on its event loop and checks that resource at its due time in each
+    store it passes over (the same wait lists as the pool process's store: only checks on a
+    store the app's settings name are handed over).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.pid = os.getpid()
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)  # (a main process that stalls: keep them here)
+        self._partial = b""
+
+    def register_with(self, hub: Any) -> None:
+        hub.add_reader(self.read_fd, self._read)  # (again after a reconnection: no harm)
+
+    def hand_over(self, checks: list[TurnCheck]) -> list[TurnCheck]:
+        """In a pool process: write the checks the main process can run; the others come
+        back (and those a full or closed pipe did not take)."""
+        if os.getpid() == self.pid:
+            return checks
+        named = {id(store) for store in _stores.get(self.app, {}).values()}
+        kept: list[TurnCheck] = []
+        for check in checks:
+            line = json.dumps([check.resource, check.due]).encode() + b"\n"
+            if check.app is not self.app or id(check.store) not in named:
+                kept.append(check)
+                continue
+            try:
+                if len(line) > select.PIPE_BUF or os.write(self.write_fd, line) != len(line):
+                    kept.append(check)
+            except OSError:
+                kept.append(check)
+        return kept
+
+    def take_leftovers(self) -> None:
+        """In the main process at its exit: take the checks its pool processes handed over
+        after its event loop stopped (a warm shutdown: they exit as the pool is closed), for
+        ``drain_turns`` to run."""
+        if os.getpid() == self.pid:
+            while self._read():
+                pass
+
+    def _read(self) -> bool:
+        """Take the checks written so far (on the event loop); whether anything was read.
+        Never raises: an error here would stop the worker's event loop."""
+        try:
+            data = os.read(self.read_fd, 65536)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            log.exception("celery_lease: reading the turn checks of the pool processes failed")
+            return False
+        try:
+            self._schedule(data)
+        except Exception:
+            log.exception("celery_lease: the turn checks handed over by a pool process failed")
+        return bool(data)
+
+    def _schedule(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        checks = []
+        for line in lines:
+            try:
+                resource, due = json.loads(line)
+                checks.append((str(resource), float(due)))
+            except (ValueError, TypeError):
+                log.warning("celery_lease: a pool process handed over an unreadable turn check")
+        if not checks:
+            return
+        waker = get_waker()
+        for store in lease_stores(self.app, call_timeout=PARENT_CALL_TIMEOUT):
+            for resource, due in checks:
+                waker.check_at(self.app, store, resource, due)
+
+
+#: This worker's, when its pool processes hand their turn checks to its main process.
+_parent_turns: _ParentTurns | None = None
+#: Whether they do (the tests' negative control sets False: each waits for its own).
+HAND_OVER_TURNS = True
+
+
 def _on_process_init(**_: Any) -> None:
-    # One pool process passes (the first; a replacement takes its index): every process would
-    # multiply the passes, and each holds a store connection of its own while it passes.
+    # Without an event loop in the main process (a broker transport without one, or
+    # PASS_IN_PARENT off): one pool process passes (the first; a replacement takes its index):
+    # every process would multiply the passes, and each holds a store connection of its own
+    # while it passes. (Shrunk away by --autoscale, or recycled by --max-tasks-per-child
+    # faster than one interval, it passes no more: see LeaseBootstep._start_passes.)
     from billiard.process import current_process
 
     if getattr(current_process(), "index", 0) not in (0, None):
@@ -250,17 +392,19 @@ def _on_process_init(**_: Any) -> None:
         _pass_over_waits(app)
 
 
-# Import-time side effect (4): each prefork pool process passes over the wait lists of the
-# apps its worker started (connected here, in the parent, before it forks).
+# Import-time side effect (4): the first pool process of a prefork worker without an event
+# loop passes over the wait lists of the apps its worker started (connected here, in the
+# parent, before it forks).
 signals.worker_process_init.connect(_on_process_init, weak=False)
 
 
 # Import-time side effects (2 and 3 of 3): a pool process that exits, and an interpreter that
-# exits, release the leases still held, so the next owner need not wait for the ttl. Both are
-# process-wide and idempotent (release_all_held on nothing held does nothing), so they are
-# connected once, when the first lease task module imports this one.
+# exits, release the leases still held, so the next owner need not wait for the ttl, and run
+# the turn checks still pending (bounded by about a grace), so a wake it sent is passed on if
+# its waiter never claims. Both are process-wide and idempotent (nothing held, nothing pending:
+# nothing done), so they are connected once, when the first lease task module imports this one.
 signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
-atexit.register(release_all_held)
+atexit.register(_at_exit)
 
 # Import-time side effect (5): a lease task whose prefork pool process died mid-task is logged
 # with its resource and fence by the worker's main process, where Celery reports it.
@@ -285,6 +429,8 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.metrics_port = lease_metrics_port
         self.metrics_address = lease_metrics_address or "0.0.0.0"  # noqa: S104 - as exporters do
         self.metrics_server: metrics.MetricsServer | None = None
+        #: A prefork worker's main process passes on its event loop (see _start_passes).
+        self.passes_on_loop = False
         if lease_metrics_port is not None:
             # Now, in the main process before the pool forks: each child then writes its
             # counts where the main process can sum them.
@@ -363,16 +509,32 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         log.info("celery_lease store %s ready (%s)", store.url, ttl_summary(settings.ttl, ttls))
 
     def _start_passes(self, worker: Any) -> None:
-        """Pass over the wait lists in every process that runs tasks: the pool processes of
-        a prefork worker (never its parent, which forks them: a thread there could be forked
-        mid-call), else this process."""
-        from celery.concurrency.prefork import TaskPool as PreforkPool
-
+        """Pass over the wait lists once per worker: in this process, on the waker's thread,
+        unless the pool forks. A prefork worker passes in its main process, on its event loop
+        (started by register_with_event_loop), whichever pool processes come and go; never on
+        a thread there (the loop forks the pool processes: a thread of ours could be forked
+        in the middle of a store call). Without an event loop, its first pool process passes."""
+        global _parent_turns  # noqa: PLW0603 - one worker per process; its pool inherits it
         app = worker.app
-        if isinstance(worker.pool_cls, type) and issubclass(worker.pool_cls, PreforkPool):
-            _pass_in_children.add(app)
-        else:
+        if not _is_prefork(worker):
             _pass_over_waits(app)
+        elif PASS_IN_PARENT and getattr(worker, "use_eventloop", False):
+            self.passes_on_loop = True
+            if _parent_turns is None or _parent_turns.app is not app:
+                _parent_turns = _ParentTurns(app)
+        else:
+            _pass_in_children.add(app)
+
+    def register_with_event_loop(self, worker: Any, hub: Any) -> None:
+        """The worker's event loop starts (again, after a broker reconnection): a prefork
+        worker's main process passes over the wait lists on it, through stores whose calls
+        wait at most PARENT_CALL_TIMEOUT (the loop waits for them)."""
+        if not self.passes_on_loop:
+            return
+        get_waker().run_on(hub)
+        _pass_over_waits(worker.app, call_timeout=PARENT_CALL_TIMEOUT)
+        if _parent_turns is not None:
+            _parent_turns.register_with(hub)
 
     def create(self, worker: Any) -> None:
         # Here, before the consumer connects (start() runs after it did), so the warning

@@ -35,7 +35,8 @@ def release_lease(lease: Lease, *, app: Any = None) -> bool:
     test): ``lease.store.release(lease)`` frees the resource but wakes nobody, and the task
     waiting for it runs only from its back-stop copy, a ttl later. This sends the waiter's
     message through ``app`` (default: the current app) and checks, once the hand-off's grace
-    is over, that the waiter claimed (else the next one is woken).
+    is over, that the waiter claimed (else the next one is woken). A process that exits
+    before then runs that check first, at interpreter exit: it waits up to about the grace.
 
     Returns:
         True when released; False when the lease was not this owner's any more (expired and
@@ -70,7 +71,8 @@ def force_release(
     What ``celery -A proj lease release --force`` does: the store's ``force_release`` (the
     fence moves on, so the evicted holder's fenced writes are refused once the resource is
     claimed again; the evicted task finds its lease lost and runs again from the start), then
-    the next waiter is woken, as a release wakes it.
+    the next waiter is woken, as a release wakes it, and its turn checked as
+    :func:`release_lease` checks it (at interpreter exit at the latest).
 
     Args:
         resource: the resource to evict.

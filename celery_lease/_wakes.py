@@ -7,17 +7,27 @@ releasing task, a refused claim that found the head never woken, the sweeper, th
 when the woken copy never claims (revoked, expired, dropped before its claim, stuck in a
 dead worker) or the wake never left (its sender died after the release):
 
-* after each wake this process sends, a **turn check** once the wake's grace is over: the
-  store's ``wake_due`` on that resource wakes the next waiter and sends the missed one's wake
-  once more (the grace, not a ttl later);
+* after each wake this process sends, a **turn check** once the wake's grace is over (a
+  polling place's turn: once its hold of ``POLL_HOLD`` graces is over): the store's
+  ``wake_due`` on that resource wakes the next waiter and sends the missed one's wake once
+  more (the grace, not a ttl later);
 * every worker makes a **pass** over its stores' wait lists every renew interval
   (``wake_due`` on every list): wakes whose sender died, and waiters of a holder that died, go
   out within about the grace plus one interval.
 
-One thread per process (:class:`Waker`) keeps both; a forked child makes its own. In a
-prefork worker the pass runs in the first pool process (started by ``worker_process_init``),
-never in the parent, which forks them (a thread there would be forked in the middle of its
-work).
+A process that exits with turn checks pending runs them first (:func:`drain_turns`: a prefork
+pool process on ``worker_process_shutdown``, the CLI, a script at interpreter exit), each once
+its waiter claimed or its grace is over, and never waits much past the latest one (a store
+that does not answer cannot hold the exit): a pool process recycled right after its release,
+or ``celery lease release --force``, no longer takes the turn check with it.
+
+One thread per process (:class:`Waker`) keeps both; a forked child makes its own. A prefork
+worker with an event loop (a Redis or AMQP broker) passes in its main process, on that loop
+(:meth:`Waker.run_on`, the consumer's hub timer), never on a thread there (the loop forks the
+pool processes: a thread of ours could be forked in the middle of a store call); its pool
+processes hand the turn checks they have pending when they exit to it (``_app``). So neither
+depends on one pool process staying alive (``--max-tasks-per-child``, ``--autoscale``). A
+prefork worker without an event loop passes in its first pool process.
 """
 
 from __future__ import annotations
@@ -29,15 +39,16 @@ import logging
 import os
 import random
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _clock
 from . import _events as events
 from ._errors import LeaseError
 from ._pid import getpid
-from .stores._bounds import POLL
+from .stores._bounds import POLL, POLL_HOLD
 
 if TYPE_CHECKING:
     from .stores.base import LeaseStore
@@ -49,7 +60,9 @@ __all__ = [
     "ROUTE_HEADER",
     "WAKE_QUEUE_SUFFIX",
     "WOKEN_HEADER",
+    "TurnCheck",
     "Waker",
+    "drain_turns",
     "get_waker",
     "pass_turn",
     "send_wake",
@@ -89,8 +102,27 @@ PASS_THE_TURN = True
 TURN_SLACK = 0.05
 #: The passes over the wait lists are spread by +- this share of their interval.
 PASS_JITTER = 0.2
-#: The longest one pass or turn check waits before it is tried again after a store error.
+#: The longest a pass on an event loop waits before it is tried again after store errors (it
+#: backs off from one renew interval, doubling: each failure held the loop for its timeout).
 RETRY_CAP = 30.0
+#: How many graces after a polling place's turn came its turn check runs: when its hold ends
+#: (POLL_HOLD graces: it polls once a grace), not while it is still in flight (the tests'
+#: negative control sets 1).
+POLL_TURN_GRACES = POLL_HOLD
+#: The most resources one turn check names in its ``wake_due`` (the checks due together on one
+#: store go in one call).
+TURN_BATCH = 100
+#: Whether a process that exits runs its pending turn checks first (:func:`drain_turns`; the
+#: tests' negative control sets False).
+EXIT_TURNS = True
+#: How much longer than its latest pending turn check is due an exiting process waits for its
+#: turn checks: a store call and the wakes it hands back. Then it exits all the same.
+EXIT_SLACK = 1.0
+#: How often an exiting process looks whether the waiters it woke have claimed (then it need
+#: not wait for their grace to end).
+EXIT_POLL = 0.05
+#: How long an exiting process's turn checks may take before ``on_wait`` is told it waits.
+WAIT_NOTICE = 0.3
 
 
 #: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
@@ -169,8 +201,8 @@ def send_wake(
     nothing to send: its task comes back by itself; its turn is checked all the same.
     """
     if payload == POLL:
-        if store is not None:
-            get_waker().after_wake(app, store, resource)
+        if store is not None:  # (checked when the polling place's hold ends)
+            get_waker().after_wake(app, store, resource, graces=POLL_TURN_GRACES)
         return True
     try:
         message = json.loads(payload)
@@ -255,13 +287,23 @@ def pass_turn(
     return sent
 
 
-class Waker:
-    """This process's turn checks and passes over the wait lists, on one daemon thread.
+class TurnCheck(NamedTuple):
+    """A turn check a process has pending (see :meth:`Waker.drain`)."""
 
-    :meth:`after_wake` schedules a turn check of one resource once a wake's grace is over;
-    :meth:`pass_every` a pass over every wait list of an app's stores every ``interval``
-    seconds (jittered). A store error is logged and the work tried again later; the thread
-    never dies of one.
+    due: float  # (time.monotonic(): the same clock in every process of a host)
+    app: Any
+    store: LeaseStore
+    resource: str
+
+
+class Waker:
+    """This process's turn checks and passes over the wait lists: on a daemon thread of its
+    own, or on an event loop (:meth:`run_on`, a prefork worker's main process).
+
+    :meth:`after_wake` schedules a turn check of one resource once a wake's grace is over
+    (the checks due together on one store go out in one ``wake_due``); :meth:`pass_every` a
+    pass over every wait list of an app's stores every ``interval`` seconds (jittered). A
+    store error is logged and the work tried again later; the thread never dies of one.
     """
 
     def __init__(self) -> None:
@@ -276,14 +318,30 @@ class Waker:
         #: stopped and started again leaves the old one to end at its next turn)
         self._passing: dict[int, int] = {}
         self._thread: threading.Thread | None = None
+        #: The event loop the work runs on (None: the thread) and the thread that runs it.
+        self._loop: Any = None
+        self._loop_thread: threading.Thread | None = None
+        #: The loop's timer entry for the soonest work: (when it is due, the entry).
+        self._armed: tuple[float, Any] | None = None
+        #: Batches of turn checks being run right now (drain waits for them too).
+        self._checking = 0
+        #: id() of each app -> how many of its passes failed in a row.
+        self._failed_passes: dict[int, int] = {}
 
-    def after_wake(self, app: Any, store: LeaseStore, resource: str) -> None:
-        """Check, once the wake just sent on ``resource`` is past its grace, that the turn went
-        on (the woken waiter claimed, or the next one is woken now)."""
+    def after_wake(self, app: Any, store: LeaseStore, resource: str, *, graces: float = 1) -> None:
+        """Check, once the wake just sent on ``resource`` is past its grace (``graces`` of
+        them: a polling place's turn is held longer), that the turn went on (the woken waiter
+        claimed, or the next one is woken now)."""
         if not PASS_THE_TURN:
             return
         grace = float(getattr(store, "handoff_grace", 2.0))
-        due = _clock.monotonic() + grace + TURN_SLACK
+        self.check_at(app, store, resource, _clock.monotonic() + grace * graces + TURN_SLACK)
+
+    def check_at(self, app: Any, store: LeaseStore, resource: str, due: float) -> None:
+        """Check the turn of ``resource`` in ``store`` at ``due`` (``time.monotonic()``; a
+        prefork worker's main process takes the checks its exiting pool processes hand it)."""
+        if not PASS_THE_TURN:
+            return
         with self._cond:
             self._turns[(id(store), resource)] = due
             self._push(due, ("turn", app, store, resource))
@@ -305,8 +363,90 @@ class Waker:
         with self._cond:
             self._passing.pop(id(app), None)
 
+    def run_on(self, loop: Any) -> None:
+        """Run the turn checks and passes on ``loop`` from now on, in the thread that calls
+        this (the loop's): a kombu event loop (``call_later(delay, fn)``).
+
+        For a prefork worker's main process: its pool processes are forked from that same
+        thread (the pool's process handlers run on the loop), so a fork never lands in the
+        middle of a pass, and no thread of ours is there to be forked. Each run holds the loop
+        for its store calls, so the stores given to :meth:`pass_every` there should answer
+        within a short timeout (see ``_app.PARENT_CALL_TIMEOUT``).
+        """
+        with self._cond:
+            # Armed afresh also when it is the same loop: a worker whose broker connection
+            # failed cancels the timer entries its loop registered (celery.worker.loops), ours
+            # among them, and registers with the loop again once it reconnected.
+            if self._armed is not None:
+                self._armed[1].cancel()
+            self._loop, self._loop_thread = loop, threading.current_thread()
+            self._armed = None
+            self._cond.notify_all()  # (a thread of ours ends: the loop runs the work)
+            self._arm()
+
+    def drain(
+        self,
+        on_wait: Callable[[float], None] | None = None,
+        hand_over: Callable[[list[TurnCheck]], list[TurnCheck]] | None = None,
+    ) -> bool:
+        """Run the turn checks this process has pending, before it exits; whether all ran.
+
+        ``hand_over`` may take them first (a prefork pool process hands them to its worker's
+        main process, which outlives it): it returns those it did not take. Each check left
+        runs once its grace is over, or as soon as the store shows no wake of that resource
+        in flight (its woken waiter claimed). They run on a thread of their own and the
+        caller waits until the latest one is due plus ``EXIT_SLACK``, no longer: a store that
+        does not answer cannot hold the exit. The passes stop; wakes these checks send get no
+        check of their own (the passes of the workers catch them). ``on_wait`` is called
+        once, with the seconds left, if the checks take longer than ``WAIT_NOTICE``.
+        """
+        with self._cond:
+            self._passing.clear()
+            pending = [
+                (due, item)
+                for due, _, item in self._heap
+                if item[0] == "turn" and self._turns.get((id(item[2]), item[3])) == due
+            ]
+            for _, item in pending:  # (theirs now: the waker's thread skips them)
+                del self._turns[(id(item[2]), item[3])]
+            if not EXIT_TURNS:
+                return True
+            # A check the thread runs right now ends first (one store call, a few wakes).
+            deadline = _clock.monotonic() + EXIT_SLACK
+            while self._checking and _clock.monotonic() < deadline:
+                self._cond.wait(deadline - _clock.monotonic())
+        if pending and hand_over is not None:
+            kept = hand_over([TurnCheck(due, *item[1:]) for due, item in pending])
+            pending = [(check.due, ("turn", *check[1:])) for check in kept]
+        if not pending:
+            return True
+        latest = max(due for due, _ in pending)
+        done = threading.Event()
+        threading.Thread(
+            target=_run_at_exit,
+            args=(sorted(pending, key=_due), done),
+            name=EXIT_THREAD,
+            daemon=True,
+        ).start()
+        if on_wait is not None and not done.wait(WAIT_NOTICE):
+            on_wait(max(0.0, latest - _clock.monotonic()))
+        if done.wait(max(0.0, latest + EXIT_SLACK - _clock.monotonic())):
+            return True
+        log.warning(
+            "celery_lease: exiting without %d turn check(s): the store did not answer in time "
+            "(the workers' passes over the wait lists pass the turn on)",
+            len(pending),
+        )
+        return False
+
     def _push(self, due: float, item: tuple[Any, ...]) -> None:
         heapq.heappush(self._heap, (due, next(self._order), item))
+        if self._loop is not None:
+            if threading.current_thread() is self._loop_thread:
+                self._arm()
+            else:  # (the loop's timer is its thread's alone: kombu's call_soon wakes the loop)
+                self._loop.call_soon(self._arm_on_loop)
+            return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
                 target=self._run, name="celery-lease-waker", daemon=True
@@ -314,50 +454,161 @@ class Waker:
             self._thread.start()
         self._cond.notify()
 
+    def _arm(self) -> None:
+        """Have the loop call :meth:`_on_loop` when the soonest work is due (under the lock,
+        in the loop's thread)."""
+        if not self._heap:
+            return
+        due = self._heap[0][0]
+        if self._armed is not None:
+            if self._armed[0] <= due and not self._armed[1].canceled:
+                return
+            self._armed[1].cancel()
+        delay = max(0.0, due - _clock.monotonic())
+        self._armed = (due, self._loop.call_later(delay, self._on_loop))
+
+    def _arm_on_loop(self) -> None:
+        with self._cond:
+            if self._loop is not None:
+                self._arm()
+
+    def _on_loop(self) -> None:
+        with self._cond:
+            self._armed = None
+            work = self._take_due()
+        try:
+            self._work(work)
+        finally:
+            with self._cond:
+                if self._loop is not None:
+                    self._arm()
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while True:
+                    if self._loop is not None:  # (handed over to an event loop)
+                        self._thread = None
+                        return
+                    work = self._take_due()
+                    if work:
+                        break
                     if not self._heap:
                         # (idle: nothing to check and no pass; the next wake starts it again)
                         if not self._cond.wait(timeout=5.0) and not self._heap:
                             self._thread = None
                             return
                         continue
-                    due, _, item = self._heap[0]
-                    wait = due - _clock.monotonic()
-                    if wait <= 0:
-                        heapq.heappop(self._heap)
-                        if item[0] == "turn" and self._turns.get((id(item[2]), item[3])) != due:
-                            continue  # a later wake on that resource has its own check
-                        if item[0] == "turn":
-                            del self._turns[(id(item[2]), item[3])]
-                        break
-                    self._cond.wait(timeout=wait)
+                    self._cond.wait(timeout=self._heap[0][0] - _clock.monotonic())
+            self._work(work)
+
+    def _take_due(self) -> list[tuple[Any, ...]]:
+        """Take the work due now off the heap (under the lock): its turn checks in batches, one
+        per store and up to TURN_BATCH resources, then its passes."""
+        now = _clock.monotonic()
+        batches: dict[tuple[int, int], tuple[Any, LeaseStore, list[str]]] = {}
+        passes = []
+        while self._heap and self._heap[0][0] <= now:
+            due, _, item = heapq.heappop(self._heap)
+            if item[0] != "turn":
+                passes.append(item)
+                continue
+            _, app, store, resource = item
+            if self._turns.get((id(store), resource)) != due:
+                continue  # a later wake on that resource has its own check
+            del self._turns[(id(store), resource)]
+            batches.setdefault((id(app), id(store)), (app, store, []))[2].append(resource)
+        work: list[tuple[Any, ...]] = [
+            ("turns", app, store, resources[start : start + TURN_BATCH])
+            for app, store, resources in batches.values()
+            for start in range(0, len(resources), TURN_BATCH)
+        ]
+        self._checking += len(work)
+        return work + passes
+
+    def _work(self, work: list[tuple[Any, ...]]) -> None:
+        for item in work:
             try:
                 self._do(item)
             except Exception:
                 log.exception("celery_lease: a turn check or wait-list pass failed")
+            finally:
+                if item[0] == "turns":
+                    with self._cond:
+                        self._checking -= 1
+                        self._cond.notify_all()
 
     def _do(self, item: tuple[Any, ...]) -> None:
-        if item[0] == "turn":
-            _, app, store, resource = item
+        if item[0] == "turns":
+            _, app, store, resources = item
             try:
-                pass_turn(app, store, [resource], by="turn")
+                pass_turn(app, store, resources, by="turn")
             except LeaseError as exc:  # the pass over every list covers it
-                log.debug("celery_lease: turn check of %r failed: %s", resource, exc)
+                log.debug("celery_lease: turn check of %r failed: %s", resources, exc)
             return
         _, app, interval, stores, chain = item
         with self._cond:
             if self._passing.get(id(app)) != chain:
                 return  # (stopped)
+        delay = _jittered(interval)
         try:
             for store in stores():
                 pass_turn(app, store, by="pass")
+            self._failed_passes.pop(id(app), None)
         except LeaseError as exc:
-            log.warning("celery_lease: a pass over the wait lists failed: %s", exc)
+            failed = self._failed_passes[id(app)] = self._failed_passes.get(id(app), 0) + 1
+            if self._loop is not None:  # (each failure held the loop: back off, up to RETRY_CAP)
+                delay = max(delay, min(RETRY_CAP, interval * 2**failed))
+            log.warning(
+                "celery_lease: a pass over the wait lists failed (the next in %.0f s): %s",
+                delay,
+                exc,
+            )
         with self._cond:
-            self._push(_clock.monotonic() + _jittered(interval), item)
+            self._push(_clock.monotonic() + delay, item)
+
+
+EXIT_THREAD = "celery-lease-exit-turns"
+
+
+def _run_at_exit(pending: list[tuple[float, tuple[Any, ...]]], done: threading.Event) -> None:
+    """Run the turn checks ``pending`` ((due, item), soonest first) for :meth:`Waker.drain`:
+    each at its due time, or once no wake of its resource is in flight any more; then set
+    ``done``."""
+    try:
+        left = pending
+        while left:
+            now = _clock.monotonic()
+            waiting = []
+            for due, item in left:
+                _, app, store, resource = item
+                if now < due and _in_flight(store, resource):
+                    waiting.append((due, item))
+                    continue
+                try:
+                    pass_turn(app, store, [resource], by="turn")
+                except LeaseError as exc:
+                    log.warning("celery_lease: turn check of %r at exit failed: %s", resource, exc)
+            left = waiting
+            if left:
+                time.sleep(max(0.0, min(EXIT_POLL, left[0][0] - _clock.monotonic())))
+    except Exception:
+        log.exception("celery_lease: a turn check at exit failed")
+    finally:
+        done.set()
+
+
+def _due(pending: tuple[float, tuple[Any, ...]]) -> float:
+    return pending[0]
+
+
+def _in_flight(store: LeaseStore, resource: str) -> bool:
+    """Whether a wake of ``resource`` is in flight (a waiter woken and not claimed, its grace
+    or polling hold not over); True when the store cannot tell now."""
+    try:
+        return any(waiter.woken for waiter in store.waiters(resource))
+    except LeaseError:
+        return True
 
 
 def _jittered(interval: float) -> float:
@@ -378,6 +629,19 @@ def get_waker() -> Waker:
         if _waker is None or _waker._pid != getpid():
             _waker = Waker()
         return _waker
+
+
+def drain_turns(
+    on_wait: Callable[[float], None] | None = None,
+    hand_over: Callable[[list[TurnCheck]], list[TurnCheck]] | None = None,
+) -> bool:
+    """Run this process's pending turn checks before it exits (:meth:`Waker.drain`): a
+    prefork pool process on its way out, the CLI, a script that called ``release_lease`` or
+    ``force_release``. At once (True) when it has none."""
+    waker = _waker
+    if waker is None or waker._pid != getpid():
+        return True
+    return waker.drain(on_wait, hand_over)
 
 
 def _after_fork_in_child() -> None:

@@ -93,6 +93,19 @@ def _store(ctx: click.Context) -> LeaseStore:
     return get_store(app, settings)
 
 
+def _check_turns() -> None:
+    """Before the command ends: the turn checks of the wakes it sent (an eviction or a reclaimed
+    lease woke the next waiting task), each once that task claimed or its grace is over (about
+    2 s), so the turn goes on if the woken task never claims. Silent unless it has to wait;
+    then one line on stderr."""
+    from ._wakes import drain_turns
+
+    def waiting(left: float) -> None:
+        click.echo(f"waiting up to {left:.1f} s for the woken task to take its turn", err=True)
+
+    drain_turns(on_wait=waiting)
+
+
 def _resource(value: str) -> str:
     try:
         return validate_resource(value)
@@ -457,6 +470,7 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool, fence: in
         f"{resource}: evicted {evicted.owner_label!r} (fence {evicted.fence}); the next claim "
         "gets a higher fence, and the evicted task runs again from the start"
     )
+    _check_turns()
 
 
 @lease.command(cls=CeleryCommand)
@@ -805,6 +819,7 @@ def sweep_command(ctx: click.Context, dry_run: bool, limit: int, as_json: bool) 
         ctx.obj.echo(f"cleanup failed: {len(report.cleanup_failed)}")
         for resource in report.cleanup_failed:
             ctx.obj.echo(f"  {resource} (kept for the next run)")
+    _check_turns()
     if report.cleanup_failed:
         raise CommandError(
             f"cleanup failed for {len(report.cleanup_failed)} expired lease(s): "

@@ -450,6 +450,50 @@ class TestReleaseIsBoundToWhatWasShown:
         assert "runs again from the start" in done.stdout
 
 
+class TestReleaseChecksTheTurn:
+    """release --force wakes the next waiting task; before the command ends it checks that the
+    woken task took its turn (else the one behind it is woken), as a worker would: the check
+    must not die with the command's process. Silent unless it has to wait."""
+
+    @staticmethod
+    def _wake(queue: str, who: str) -> str:
+        options = {"task_id": f"id-{who}", "queue": queue}
+        return json.dumps({"task": "cli.wait", "args": [who], "kwargs": {}, "options": options})
+
+    def test_a_woken_task_that_never_claims_passes_the_turn_on(
+        self, sqlite_target: Target, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """W1's woken copy never claims (no worker here): the command waits about a grace,
+        wakes W2, and says so in one line on stderr."""
+        from celery_lease import _wakes
+        from celery_lease.stores import base
+
+        monkeypatch.setattr(_wakes, "_waker", _wakes.Waker())  # (this test's checks only)
+        monkeypatch.setattr(base, "DEFAULT_HANDOFF_GRACE", 0.5)  # (the command's store)
+        store = sqlite_target.store
+        store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        for who in ("w1", "w2"):
+            with pytest.raises(LeaseBusyError):
+                store.acquire(
+                    "browser/a", Owner.new(who), 60, identity=who, wait=self._wake("q", who)
+                )
+        started = time.monotonic()
+        done = sqlite_target.run("release", "browser/a", "--force", "--yes")
+        assert done.returncode == 0, done.stderr
+        assert time.monotonic() - started < 5
+        waiting = [line for line in done.stderr.splitlines() if "take its turn" in line]
+        assert len(waiting) == 1, done.stderr
+        assert [w.identity for w in store.waiters("browser/a") if w.woken] == ["w2"]
+
+    def test_nothing_woken_nothing_said(self, sqlite_target: Target) -> None:
+        """An eviction that wakes nobody ends at once, with no line about turns."""
+        store = sqlite_target.store
+        store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
+        done = sqlite_target.run("release", "browser/a", "--force", "--yes")
+        assert done.returncode == 0, done.stderr
+        assert "turn" not in done.stderr + done.stdout
+
+
 class TestInitSchemaByKind:
     def test_a_memory_store_has_no_schema_or_acl(self):
         """init-schema on memory:// says there is nothing to set up (it printed a Redis ACL)."""

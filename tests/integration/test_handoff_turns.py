@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import unique
+from tests.integration.harness import worker_store
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -102,3 +103,126 @@ def test_a_dead_holders_waiter_runs_within_a_pass(
     assert enter["t"] - killed < 6 + 2.4 + 1 + 8, f"{enter['t'] - killed:.1f}s after the kill"
     wait_for(lambda: len(events.where(ev="exit", res=n, k=1)) == 1, 30, "the waiter to end")
     del holder
+
+
+#: The renew interval (ttl / 3, +-20 %) far from every bound below: a pass over the wait lists
+#: (the first 16-24 s after a worker starts) and a back-stop copy (60 s) come too late to pass
+#: for a turn check. What passes the turn on within the bound is the turn check alone.
+NO_PASS = {**ENV, "CL_TTL": "60"}
+
+
+def _held_with_waiters(it_app, events, queue, n, *waiters):
+    """The holder (k=0) holds ``fifo-<n>`` until the test lets it go; each waiter task of
+    ``waiters`` (k=1, 2, ...) is refused and listed. Returns the holder's go key and the
+    waiters' results."""
+    go = f"go-{n}"
+    holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    results = []
+    for k, task in enumerate(waiters, 1):
+        results.append(task.apply_async((n, k, 0.1), queue=queue))
+        events.wait(ev="retry", task=results[-1].id)
+    del holder
+    return go, results
+
+
+def _revoke(it_app, result):
+    """Revoke a task and wait until the worker says it will drop it."""
+    replies = it_app.app.control.revoke(result.id, reply=True, timeout=10, limit=1)
+    assert replies, "no worker acknowledged the revoke"
+
+
+def _let_go(coord, events, go, n):
+    """Let the holder end; when it ended (its exit report)."""
+    coord.rpush(go, 1)
+    return events.wait(ev="exit", res=n, k=0, timeout=60)["t"]
+
+
+def _enter_within(events, n, k, since, bound):
+    """Wait up to ``bound`` seconds after ``since`` for waiter ``k`` to enter; its delay, or
+    None when it did not (the wait is bounded: a control does not sit out a ttl)."""
+    try:
+        enter = events.wait(ev="enter", res=n, k=k, timeout=max(0.1, since + bound - time.time()))
+    except TimeoutError:
+        return None
+    return enter["t"] - since
+
+
+@pytest.mark.parametrize("exit_turns", ["handed", "kept", "off"])
+def test_a_dropped_head_passes_on_though_the_releasing_pool_process_exits(
+    it_app, start_worker, store_env, events, coord, queue, exit_turns
+):
+    """Prefork, two pool processes recycled after each task (``--max-tasks-per-child=1``),
+    grace 2 s: H holds; W1 (revoked), W2 and W3 wait; then a plain task takes the other pool
+    slot for the rest of the test. The pool process that released H exits right after it,
+    the turn check of W1's wake pending: it hands the check to the worker's main process,
+    which wakes W2 once W1's grace is over. W2 hands over to W3 and exits the same way, so W3
+    runs at once in the next pool process. Controls: ``kept``
+    (``CL_HAND_OVER=0``): each pool process runs its own checks before it exits; W2 is still
+    on time, but the one pool slot is held meanwhile, so W3 waits for the check of its own
+    wake (a grace). ``off`` (``CL_EXIT_TURNS=0``): the check dies with the process; nobody
+    wakes W2. Before: W2 started 9-12 s after the holder ended (ttl 30), or at its back-stop."""
+    grace = 2.0
+    env = {**store_env("redis"), **NO_PASS, "CL_HANDOFF_GRACE": str(grace)}
+    env.update({"kept": {"CL_HAND_OVER": "0"}, "off": {"CL_EXIT_TURNS": "0"}}.get(exit_turns, {}))
+    start_worker(
+        env, queue=queue, pool="prefork", concurrency=2, extra_args=("--max-tasks-per-child=1",)
+    )
+    n = unique("t")
+    go, (w1, *_) = _held_with_waiters(it_app, events, queue, n, *[it_app.fifo_hold] * 3)
+    # (one pool slot left for the waiters: the other runs this until the test is over)
+    it_app.plain_step.apply_async((f"busy-{n}", 0, 12.0), queue=queue)
+    events.wait(ev="enter", res=f"busy-{n}", k=0)
+    _revoke(it_app, w1)
+    ended = _let_go(coord, events, go, n)
+    if exit_turns == "off":
+        woken = _woken_at(env, n, ended + grace + 1.5)
+        assert not woken and not events.where(ev="enter", res=n, k=2), woken
+        return
+    gap = _enter_within(events, n, 2, ended, BOUND)
+    assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    w2_ended = events.wait(ev="exit", res=n, k=2, timeout=30)["t"]
+    w3_gap = events.wait(ev="enter", res=n, k=3, timeout=30)["t"] - w2_ended
+    if exit_turns == "handed":  # (the next pool process's start)
+        assert w3_gap < 1.5, f"W3 started {w3_gap:.1f}s after W2 ended"
+    else:
+        assert w3_gap > grace, f"W3 started {w3_gap:.1f}s after W2 ended"
+    assert not events.where(ev="enter", res=n, k=1), "the dropped waiter ran"
+
+
+def _woken_at(env, n, when):
+    """The waiters of ``fifo-<n>`` woken at ``when`` (wall clock; waits until then)."""
+    time.sleep(max(0.0, when - time.time()))
+    store = worker_store(env)
+    try:
+        return [w.identity for w in store.waiters(f"fifo-{n}") if w.woken]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("due", ["hold", "grace"])
+def test_a_dropped_polling_head_passes_the_turn_when_its_hold_ends(
+    it_app, start_worker, store_env, events, coord, queue, due
+):
+    """P (``identity=False``: a polling place) waits ahead of W2 and is revoked. H's release
+    gives P its turn, held two graces (it polls once a grace). The turn check runs when that
+    hold ends and wakes W2. Negative control (``CL_POLL_TURN_GRACES=1``: the check one grace
+    after the wake, as before): it finds P's hold still in flight and nothing checks again;
+    nobody wakes W2 (a pass would, 16-24 s later). Before: W2 started 3.9-6.4 s (ttl 30) or
+    16-17 s (ttl 60) late."""
+    env = {**store_env("redis"), **NO_PASS}
+    if due == "grace":
+        env["CL_POLL_TURN_GRACES"] = "1"
+    start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("t")
+    waiters = (it_app.fifo_hold_backoff, it_app.fifo_hold)
+    go, (polling, _w2) = _held_with_waiters(it_app, events, queue, n, *waiters)
+    _revoke(it_app, polling)
+    ended = _let_go(coord, events, go, n)
+    if due == "grace":  # (the hold ended 2 s after the wake: a check would have run by 3.5 s)
+        woken = _woken_at(env, n, ended + 2.0 + 1.5)
+        assert not woken and not events.where(ev="enter", res=n, k=2), woken
+        return
+    gap = _enter_within(events, n, 2, ended, BOUND)  # (two graces of 1 s, the slack, W2's trip)
+    assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    assert not events.where(ev="enter", res=n, k=1), "the revoked polling waiter ran"

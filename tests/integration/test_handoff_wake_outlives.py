@@ -14,9 +14,13 @@ a release does: the head waiter runs in milliseconds, not from its back-stop cop
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -24,7 +28,7 @@ import pytest
 import celery_lease
 from celery_lease import Owner
 from tests.conftest import unique
-from tests.integration.harness import ROOT, worker_store
+from tests.integration.harness import ROOT, children_of, prepare_store, worker_store
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -147,3 +151,190 @@ def test_a_forced_release_hands_off_as_a_release_does(
         assert waiter.get(timeout=30) == 1
     finally:
         store.close()
+
+
+#: Passes over the wait lists every 20 s (+-20 %), back-stops a minute late: within the bound
+#: below only a turn check passes the turn on.
+NO_PASS = {**ENV, "CL_TTL": "60"}
+#: From the eviction's start: a Python with Celery starting (1-3 s here), the grace (1 s), the
+#: turn check's slack and W2's trip; a pass would take 16-24 s, a back-stop copy a minute.
+OUTSIDE_BOUND = 8.0
+_SCRIPT = """
+import json, os, sys
+import celery_lease
+from celery_lease import Owner
+from tests.integration import worker_app as wa
+from tests.integration.harness import worker_store
+token, label, fence, resource = json.loads(os.environ["CL_SCRIPT_LEASE"])
+store = worker_store(dict(os.environ))
+lease = store.acquire(resource, Owner(token, label), 120)  # the same claim: the same lease
+assert lease.fence == fence, (lease.fence, fence)
+assert celery_lease.release_lease(lease, app=wa.app)
+print("released")
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "kind", "exit_turns"),
+    [("cli", "redis", "on"), ("script", "postgres", "on"), ("cli", "redis", "off")],
+)
+def test_an_exiting_releaser_checks_its_turn_before_it_exits(
+    it_app, start_worker, store_env, events, queue, how, kind, exit_turns
+):
+    """``celery lease release --force`` (or a script's ``release_lease``) wakes W1, which
+    Celery drops unclaimed (revoked); the process then exits. It runs the turn check of its
+    wake before exiting, so W2 runs about a grace later; the CLI says so in one line while it
+    waits. Negative control (``CL_EXIT_TURNS=0``): the check dies with the process and W2 waits
+    for a pass (nobody has woken it 2.5 s after the command ended). Before: W2 started 9-10 s
+    after the eviction (ttl 30: the next pass)."""
+    env = {**store_env(kind), **NO_PASS}
+    if exit_turns == "off":
+        env["CL_EXIT_TURNS"] = "0"
+    if kind == "postgres":
+        prepare_store(env)
+    start_worker(env, queue=queue, pool="threads", concurrency=3)
+    n = unique("o")
+    store = worker_store(env)
+    resource = f"fifo-{n}"
+    try:
+        held = store.acquire(resource, Owner.new("an operator's script"), 120)
+        w1 = it_app.fifo_hold.apply_async((n, 1, 0.1), queue=queue)
+        events.wait(ev="retry", task=w1.id)
+        w2 = it_app.fifo_hold.apply_async((n, 2, 0.1), queue=queue)
+        events.wait(ev="retry", task=w2.id)
+        assert it_app.app.control.revoke(w1.id, reply=True, timeout=10, limit=1)
+        if how == "cli":
+            args = ["-m", "celery", "-A", "tests.integration.worker_app", "lease", "release",
+                    resource, "--force", "--yes", "--fence", str(held.fence)]  # fmt: skip
+            extra = {}
+        else:
+            args = ["-c", _SCRIPT]
+            extra = {"CL_SCRIPT_LEASE": json.dumps([held.owner.token, held.owner.label,
+                                                    held.fence, resource])}  # fmt: skip
+        started = time.time()
+        done = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env={**os.environ, **env, **extra, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        if exit_turns == "off":  # (a check would have run a grace, 1 s, after the eviction)
+            time.sleep(2.5)  # (the command has ended: this is how long its check would take)
+            woken = [w.identity for w in store.waiters(resource) if w.woken]
+            assert not woken and not events.where(ev="enter", res=n, k=2), woken
+        else:
+            left = started + OUTSIDE_BOUND - time.time()
+            enter = events.wait(ev="enter", res=n, k=2, timeout=max(0.1, left))
+            late = enter["t"] - started
+            assert late < OUTSIDE_BOUND, f"W2 started {late:.1f}s after the eviction began"
+        waited = [line for line in done.stderr.splitlines() if "turn" in line]
+        if how == "cli":  # one short line, and only when it waited
+            assert len(waited) == (exit_turns == "on"), done.stderr
+        assert not events.where(ev="enter", res=n, k=1), "the revoked waiter ran"
+    finally:
+        store.close()
+
+
+#: From the moment a prefork worker may pass (it consumes the waiters' queue) to each waiter's
+#: start: the grace (1 s) and one renew interval (2 s, +-20 %) for the first (the pass sends its
+#: missed wake again), a few hand-offs for the others, each pool process forked anew.
+PREFORK_FIRST, PREFORK_EVERY = 6.0, 12.0
+
+
+def _waiters_run_or_not(events, n, since, passes):
+    """Parent passes: waiters 1-3 start in time. Control: none within PREFORK_FIRST."""
+    if passes == "pool":
+        time.sleep(max(0.0, since + PREFORK_FIRST - time.time()))
+        assert not [e for e in events.where(ev="enter", res=n) if e["k"] > 0], "a waiter ran"
+        return
+    for k in range(1, 4):
+        enter = events.wait(ev="enter", res=n, k=k, timeout=PREFORK_EVERY + 20)
+        late = enter["t"] - since
+        assert late < (PREFORK_FIRST if k == 1 else PREFORK_EVERY), f"waiter {k}: {late:.1f}s"
+
+
+def _kill_the_releaser(it_app, start_worker, events, env, queue, tmp_path, n):
+    """Worker A (threads) releases fifo-<n> and is SIGKILLed before its wake, holding the
+    back-stop copies of waiters 1-3; returns once it is dead."""
+    doomed = start_worker(_killer(env, tmp_path), queue=queue, pool="threads", concurrency=2)
+    holder = it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    events.wait(ev="enter", res=n, k=0)
+    for k in range(1, 4):
+        waiter = it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue)
+        events.wait(ev="retry", task=waiter.id)
+    wait_for((tmp_path / "once.before_wake").exists, 30, "the releaser to die at its wake")
+    wait_for(lambda: doomed.proc.poll() is not None, 10, "the releaser's process to end")
+    del holder
+
+
+@pytest.mark.parametrize("passes", ["parent", "pool"])
+def test_an_autoscaled_prefork_worker_passes_though_pool_process_0_is_shrunk_away(
+    it_app, start_worker, store_env, events, queue, tmp_path, passes
+):
+    """F3. Worker B (prefork ``--autoscale=2,2``) is scaled down to one process by its
+    autoscaler (told ``autoscale 1 1``: it shrinks the pool as it does an idle one, the first
+    idle process, index 0, goes). The releaser, another worker, is SIGKILLed between its
+    release and its wake; B then consumes the waiters' queue. B's main process passes over
+    the wait lists on its event loop, so the waiters run. Negative control
+    (``CL_PASS_IN_PARENT=0``: in pool process 0, as before): nobody passes, no waiter runs.
+    Before: 0 of 4 waiters ran within 60 s (reviewer's p2_autoscale.py)."""
+    env = {**store_env("redis"), **ENV}
+    if passes == "pool":
+        env["CL_PASS_IN_PARENT"] = "0"
+    b = start_worker(
+        env,
+        queue=unique("other"),
+        pool="prefork",
+        concurrency=2,
+        name=unique("b"),
+        extra_args=("--autoscale=2,2",),
+    )
+    b_host = f"{b.name}@{socket.gethostname()}"
+    wait_for(lambda: len(children_of(b.pid)) == 2, 30, "B's two pool processes")
+    assert it_app.app.control.autoscale(1, 1, destination=[b_host], reply=True, limit=1)
+    wait_for(lambda: len(children_of(b.pid)) == 1, 30, "B's pool to shrink to one process")
+    n = unique("o")
+    _kill_the_releaser(it_app, start_worker, events, env, queue, tmp_path, n)
+    assert it_app.app.control.add_consumer(queue, destination=[b_host], reply=True, limit=1)
+    _waiters_run_or_not(events, n, time.time(), passes)
+
+
+@pytest.mark.parametrize("passes", ["parent", "pool"])
+def test_a_recycling_prefork_worker_passes_under_light_load(
+    it_app, start_worker, store_env, events, queue, tmp_path, passes
+):
+    """F2. The releaser is SIGKILLed between its release and its wake, holding the waiters'
+    back-stop copies; worker B is started in its place (prefork -c 2,
+    ``--max-tasks-per-child=1``) and gets a plain task every 0.5 s. B's main process passes,
+    so the waiters run. Negative control (``CL_PASS_IN_PARENT=0``): pool process 0 passes,
+    but is recycled sooner than one renew interval after each start, so it never does and
+    no waiter runs. Before: waiters stranded (reviewer's p2_recycle.py mtpc=1 period=0.5)."""
+    env = {**store_env("redis"), **ENV}
+    if passes == "pool":
+        env["CL_PASS_IN_PARENT"] = "0"
+    n = unique("o")
+    _kill_the_releaser(it_app, start_worker, events, env, queue, tmp_path, n)
+    start_worker(
+        env, queue=queue, pool="prefork", concurrency=2, extra_args=("--max-tasks-per-child=1",)
+    )
+    up = time.time()
+    stop = threading.Event()
+
+    def light_load() -> None:
+        for i in itertools.count():
+            it_app.plain_step.apply_async((f"plain-{n}", i, 0.05), queue=queue)
+            if stop.wait(0.5):
+                return
+
+    load = threading.Thread(target=light_load, daemon=True)
+    load.start()
+    try:
+        _waiters_run_or_not(events, n, up, passes)
+        assert len(events.where(ev="enter", res=f"plain-{n}")) >= 3  # (the load ran)
+    finally:
+        stop.set()
+        load.join(5)

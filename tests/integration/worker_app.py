@@ -128,6 +128,22 @@ if env.get("CL_PASS_THE_TURN") == "0":  # the negative control of the turn check
     from celery_lease import _wakes
 
     _wakes.PASS_THE_TURN = False
+if env.get("CL_EXIT_TURNS") == "0":  # negative control: a process exits without its turn checks
+    from celery_lease import _wakes
+
+    _wakes.EXIT_TURNS = False
+if env.get("CL_POLL_TURN_GRACES"):  # negative control: a polling turn checked too early
+    from celery_lease import _wakes
+
+    _wakes.POLL_TURN_GRACES = int(env["CL_POLL_TURN_GRACES"])
+if env.get("CL_PASS_IN_PARENT") == "0":  # negative control: prefork passes in pool process 0
+    from celery_lease import _app as _app_module
+
+    _app_module.PASS_IN_PARENT = False
+if env.get("CL_HAND_OVER") == "0":  # negative control: a pool process waits for its checks
+    from celery_lease import _app as _app_module
+
+    _app_module.HAND_OVER_TURNS = False
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 #: How long a worker holds the Redis transport's ``unacked_mutex`` (kombu: 300 s). A worker
