@@ -10,6 +10,7 @@ task's state in the result backend tell which one runs. Each function here ends 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, NoReturn
 
 from celery import states
@@ -33,6 +34,7 @@ from ._message import (
 )
 from ._settings import LeaseSettings
 from ._wakes import EARLY_HEADER, LINEAGE_HEADER, WOKEN_HEADER
+from .stores.base import MarkOnceStore
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,12 @@ GAVE_UP_CLOCK_SLACK = 0.5
 #: storing its result (a pause there, a slow backend); after the last, the copy ends with the
 #: recorded result.
 DONE_RECHECKS = (1.0, 2.0, 4.0)
+#: How long a copy's give-up mark (see ``give_up_once``) keeps other copies of its task id
+#: from giving up: far longer than storing the FAILURE takes; past it a copy gives up again
+#: only if none was stored (the marking copy's worker died before).
+GIVE_UP_MARK_TTL = 60.0
+#: When a copy that found the give-up taken by another copy comes back to read the result.
+GIVE_UP_RECHECK = 2.0
 
 
 def superseded(task: Any, lease: Lease) -> LeaseBusyError:
@@ -158,7 +166,7 @@ def store_failed_copy(task: Any, request: Any, error: LeaseError) -> bool:
 
 def drop_if_finished(
     task: Any, request: Any, resource: str, lease: Lease | None = None, done: bool = False
-) -> None:
+) -> str | None:
     """End this back-stop copy of a waiter (it counts its waits, no wake sent it) when the
     result backend already holds a final state for its task id: another copy of it ran
     (its woken copy) and that state is the task's. Checked before the claim, so
@@ -169,10 +177,54 @@ def drop_if_finished(
     this execution ran this attempt and ended without an outcome (the lease is given back
     with the record as found when the copy ends), or ``done``: its claim found the identity
     done, or its last allowed wait was refused (this task id's other copy may have run to
-    its end, or given up). Not read where ``_task_state`` says."""
+    its end, or given up). Not read where ``_task_state`` says. Returns the state read (None:
+    not read)."""
     state = task_state(task, request, woken=lease is not None or done)
     if state is not None and state in states.READY_STATES:
         drop_finished(task, request, resource, state, lease)
+    return state
+
+
+def give_up_once(task: Any, store: Any, busy: LeaseBusyError) -> None:
+    """Return when this copy, refused at its last allowed wait, is the one copy of its task id
+    that gives up (stores FAILURE, runs the errbacks); else send it again to look later.
+
+    Its read found no final state (``drop_if_finished``), but another copy of this task id may
+    be between that read and storing its FAILURE: the release's wake and the wake a turn check
+    sent once more (both woken copies of one place), or a back-stop copy, refused together.
+    Each would give up, and the errbacks ran twice. So the give-up is taken in the lease store
+    first, one atomic call per task id (``mark_once``; rare: only a give-up pays it). A copy
+    that finds it taken is sent again (nothing stored) in ``GIVE_UP_RECHECK`` seconds as a
+    back-stop copy, which reads the task's state before its claim: the FAILURE by then, or,
+    if the copy that took it died before storing it, a give-up of its own once the mark has
+    expired. A store without ``mark_once`` (a third-party one), or one that fails to answer:
+    this copy gives up, as before."""
+    request = task.request
+    if not isinstance(store, MarkOnceStore) or request.id is None:
+        return
+    try:
+        taken = store.mark_once(f"gave-up:{request.id}", uuid.uuid4().hex, GIVE_UP_MARK_TTL)
+    except LeaseError:
+        log.debug("task %s[%s]: the give-up mark failed", task.name, request.id, exc_info=True)
+        return
+    if taken:
+        return
+    events.count("celery_lease_duplicates_total")
+    _execution.log_event(
+        task,
+        "duplicate",
+        logging.INFO,
+        busy.resource,
+        busy.fence,
+        busy.holder_label,
+        copy=copy_kind(request),
+        action="another copy of this task is giving up",
+        why=f"refused at its last allowed wait as another copy was: looking again in "
+        f"{GIVE_UP_RECHECK:g}s (it ends unrun on the FAILURE that copy stores)",
+    )
+    _execution.requeue(
+        task, busy, GIVE_UP_RECHECK, {WOKEN_HEADER: None, EARLY_HEADER: None}, store=False
+    )
 
 
 def task_state(task: Any, request: Any, woken: bool = False) -> str | None:

@@ -12,7 +12,8 @@ Sites: ``after_acquire``, ``after_effect_before_ledger``, ``after_ledger_before_
 ``inside_renew``, ``inside_release``, ``inside_reconcile``, ``before_wake`` (the release
 handed the resource over and the head waiter's message is not sent yet), ``after_wake`` (it
 is sent), ``after_early_wake`` (the release is sent and the next waiter's message went out
-while its reply is awaited; see ``lease_handoff_early_wake``).
+while its reply is awaited; see ``lease_handoff_early_wake``), ``before_give_up`` (a copy
+refused at its last allowed wait read no final state of its task and is about to give up).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SITES = (
     "before_wake",
     "after_wake",
     "after_early_wake",
+    "before_give_up",
 )
 
 

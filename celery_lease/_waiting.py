@@ -18,6 +18,7 @@ from celery.exceptions import Ignore
 
 from . import _copies, _execution, _unique
 from . import _events as events
+from . import _failpoints as failpoints
 from ._app import wake_queue_for
 from ._errors import BUSY_ADVICE, LeaseBusyError
 from ._message import (
@@ -109,7 +110,10 @@ def lease_busy(
         # (An early copy refused past its short retries is not given up: the release
         # that woke it may not have landed yet, and it sends no second wake for it. It
         # waits on with the back-off, as a woken copy without the early header.)
-        _copies.drop_if_finished(task, request, busy.resource or "?", done=True)
+        read = _copies.drop_if_finished(task, request, busy.resource or "?", done=True)
+        failpoints.hit("before_give_up")
+        if read is not None:  # (a copy sent again must be able to read what this one stores)
+            _copies.give_up_once(task, setup.current_store(), busy)
         raise LeaseBusyError(
             f"{busy} (gave up after {waits} busy waits; raise lease_busy_max_waits to wait longer)",
             *busy.args[1:],

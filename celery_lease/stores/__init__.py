@@ -14,6 +14,7 @@ from .base import (
     FenceGateStore,
     LeasePage,
     LeaseStore,
+    MarkOnceStore,
     ReadableFenceGateStore,
 )
 from .memory import MemoryLeaseStore
@@ -29,6 +30,7 @@ __all__ = [
     "FenceGateStore",
     "LeasePage",
     "LeaseStore",
+    "MarkOnceStore",
     "MemoryLeaseStore",
     "ReadableFenceGateStore",
     "RedisLeaseStore",

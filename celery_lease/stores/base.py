@@ -298,6 +298,11 @@ class LeasePage(NamedTuple):
     cursor: str | None
 
 
+#: The identity of the records ``mark_once`` writes (the store's identity records of their own,
+#: under the mark's key as resource; swept once expired with the others).
+MARK_IDENTITY = "celery_lease:mark"
+
+
 @runtime_checkable
 class LeaseStore(Protocol):
     """Where leases and fences live. See the module docstring for the invariants."""
@@ -607,6 +612,30 @@ class ReadableFenceGateStore(FenceGateStore, Protocol):
     def gate_highest(self, key: str) -> int | None:
         """The highest fence admitted for ``key`` so far, or None (granted fences not counted:
         a lease store's :meth:`~LeaseStore.get` shows the holder's)."""
+        ...
+
+
+@runtime_checkable
+class MarkOnceStore(Protocol):
+    """A store that can hand one caller a short-lived mark per key (every store shipped here).
+
+    A task id's give-up ("gave up after N busy waits") is taken with it, so that two copies of
+    one task refused at their last wait together do not both store FAILURE and run the
+    errbacks (see ``_copies.give_up_once``); a store that is not one: each copy gives up.
+    """
+
+    def mark_once(self, key: str, token: str, ttl: float) -> bool:
+        """Atomically record ``key`` for ``ttl`` seconds unless a live record of another
+        ``token`` has it.
+
+        Returns:
+            True when the caller (``token``) holds the mark now, also when it held it already
+            (a call repeated after a lost reply); False while another token's record lives.
+
+        Raises:
+            LeaseConfigError: ``key`` is not a valid name.
+            LeaseStoreError: the store failed; whether the mark was taken is unknown.
+        """
         ...
 
 

@@ -128,6 +128,8 @@ class MemoryLeaseStore(BaseLeaseStore):
         self._leases: dict[str, _Record] = {}
         self._fences: dict[str, int] = {}
         self._gates: dict[str, int] = {}
+        # key -> (token, expires_us) of mark_once
+        self._marks: dict[str, tuple[str, int]] = {}
         # resource -> fence of the lease force-released there, until the fence moves on
         self._forced: dict[str, int] = {}
         # (resource, identity) -> [state, fence, label, result, expires_us, token]
@@ -667,6 +669,20 @@ class MemoryLeaseStore(BaseLeaseStore):
 
     def _gate_decided(self, key: str, fence: int, admitted: bool, highest: int) -> None:
         """Called under the store lock with each gate decision, in the order they were made."""
+
+    def mark_once(self, key: str, token: str, ttl: float) -> bool:
+        """Record ``key`` for ``ttl`` seconds unless a live record of another ``token`` has it:
+        whether this caller holds it now."""
+        validate_resource(key)
+        with self._lock:
+            now = self._now_us()
+            for name in [k for k, (_, until) in self._marks.items() if until <= now]:
+                del self._marks[name]
+            held = self._marks.get(key)
+            if held is None:
+                self._marks[key] = (token, now + max(1, round(ttl * 1e6)))
+                return True
+            return held[0] == token
 
     def gate_highest(self, key: str) -> int | None:
         with self._lock:

@@ -454,3 +454,68 @@ def test_a_late_woken_copy_on_an_unreachable_store_ends_unrun_after_its_waiter_s
         assert callbacks == ["err", "link"]
         return
     assert callbacks == ["link"]
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_two_copies_refused_at_their_last_wait_together_give_up_once(
+    it_app, start_worker, store_env, events, queue, coord, tmp_path, check
+):
+    """W (busy_max_waits=2) has two woken copies at their last wait in flight, as the
+    release's wake and the wake a turn check sent once more (its first was not claimed) make
+    when W's worker is busy past the grace; both come together while X holds the resource.
+    Each reads W's state (no final one yet) and pauses there (failpoint ``before_give_up``,
+    2 s: the gap between that read and Celery storing the FAILURE, wide on a loaded box).
+    Exactly one may give up: W ends FAILURE, its errback runs once, the other copy is sent
+    again and ends unrun on that FAILURE. Negative control (``off``: no give-up mark): both
+    give up, the errback runs twice. Failed before (and as CI's flake of
+    test_a_back_stop_copy_at_its_last_wait_ends_unrun_after_its_woken_copy_gave_up): callbacks
+    ["err", "err"]."""
+    from celery_lease._message import WAITS_HEADER
+    from celery_lease._wakes import WOKEN_HEADER
+
+    env = {**store_env("redis"), "CL_TTL": "1", "CL_BACKOFF_CAP": "1.0"}
+    env_b = {**env, "CELERY_LEASE_FAILPOINTS": "before_give_up=sleep:2"}
+    if check == "off":
+        env_b["CL_GIVE_UP_ONCE"] = "off"
+    qa, qb = queue + "a", queue + "b"
+    start_worker(env, queue=qa, pool="threads", concurrency=3)
+    worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
+    n = unique("g2")
+    go_x = events.key_for("go-x")
+    it_app.fifo_gate.apply_async((n, 2, go_x), queue=qa)
+    events.wait(ev="enter", res=n, k=2)
+    task_id = f"w-{n}"
+    for _ in range(2):  # two woken copies of W's place, each at its last allowed wait
+        it_app.fifo_few_waits.apply_async(
+            (n, 1, 0.1),
+            task_id=task_id,
+            queue=qb,
+            headers={WAITS_HEADER: 2, WOKEN_HEADER: time.time()},
+            link=it_app.note_callback.si(label="link").set(queue=qa),
+            link_error=_callback("err", it_app, qa),
+        )
+    dropped = "dropped a copy of a finished task"
+    wait_for(
+        lambda: (
+            len(events.where(ev="callback")) >= 2
+            or (events.where(ev="callback") and dropped in worker_b.log())
+        ),
+        40,
+        "both copies to end",
+    )
+    time.sleep(1)  # (a second errback, if any, has come by now)
+    coord.rpush(go_x, 1)
+    events.wait(ev="exit", res=n, k=2)
+    final = backend_meta(it_app.app, [task_id])[task_id]
+    callbacks = sorted(e["label"] for e in events.where(ev="callback"))
+    runs = events.where(ev="enter", res=n, k=1)
+    log_b = worker_b.log()
+    print(f"[{check}] body runs {len(runs)}; callbacks {callbacks}; final {final['status']}")
+    assert final["status"] == "FAILURE"
+    assert "gave up after 2 busy waits" in str(final.get("result"))
+    assert not runs
+    if check == "off":
+        assert callbacks == ["err", "err"]
+        return
+    assert callbacks == ["err"]
+    assert "another copy of this task is giving up" in log_b and dropped in log_b

@@ -926,6 +926,14 @@ if env.get("CL_GAVE_UP_READ") == "off":
     _copies_trusting.sibling_may_have_given_up = lambda task, request, settings, lease=None: False  # type: ignore[assignment]
 
 
+if env.get("CL_GIVE_UP_ONCE") == "off":
+    # Negative control of test_handoff_gave_up.py: copies refused at their last wait together
+    # each give up (no give-up mark is taken in the store).
+    from celery_lease import _copies as _copies_each
+
+    _copies_each.give_up_once = lambda task, store, busy: None  # type: ignore[assignment]
+
+
 if env.get("CL_WAIT_ATTEMPT") == "off":
     # Negative control of test_handoff_retried_waiter.py: the stores are not told the
     # attempt of a claim, so a copy of an older attempt re-arms a newer attempt's place.

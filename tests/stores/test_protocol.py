@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 
-from celery_lease.stores import FenceGateStore, LeaseStore, ReadableFenceGateStore
+from celery_lease.stores import (
+    FenceGateStore,
+    LeaseStore,
+    MarkOnceStore,
+    ReadableFenceGateStore,
+)
 from celery_lease.stores.base import BaseLeaseStore
 
 #: Public names a store class has that belong to no protocol, and why.
@@ -39,10 +44,13 @@ class TestProtocol:
         assert isinstance(store, LeaseStore)
         assert isinstance(store, FenceGateStore)
         assert isinstance(store, ReadableFenceGateStore)
+        assert isinstance(store, MarkOnceStore)
 
     def test_every_public_method_is_declared_by_a_protocol(self, store):
         """warm_up and the fence-gate operations are declared, not found by hasattr."""
-        declared = _declared(LeaseStore) | _declared(ReadableFenceGateStore)
+        declared = (
+            _declared(LeaseStore) | _declared(ReadableFenceGateStore) | _declared(MarkOnceStore)
+        )
         extra = _public_methods(store) - declared - NOT_CONTRACT
         assert not extra, f"{type(store).__name__} has methods outside the contract: {extra}"
 

@@ -1099,6 +1099,28 @@ return {record, kept}
 """
 )
 
+MARK_ONCE = (
+    """
+-- KEYS[1] ids hash, KEYS[2] ids_exp zset
+-- ARGV[1] "<key>|<mark identity>", ARGV[2] the caller's token, ARGV[3] ttl (us)
+-- an identity entry of its own (state 'mark'), taken over only once past its expiry (the
+-- sweep removes it then); returns 1 when the caller holds it (also when it held it already)
+"""
+    + _NOW
+    + _IDENT
+    + """
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+local kept = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if record and kept and tonumber(kept) > now then
+  local _, _, token = parse_ident(record)
+  if token ~= ARGV[2] then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], 'mark\\n0\\n' .. ARGV[2] .. '\\n\\n')
+redis.call('ZADD', KEYS[2], fmt(now + tonumber(ARGV[3])), ARGV[1])
+return 1
+"""
+)
+
 WAITERS = (
     """
 -- KEYS[1] waits hash

@@ -29,6 +29,7 @@ from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
     DEFAULT_WAKE_DUE_LIMIT,
+    MARK_IDENTITY,
     RECENT_EFFECTS,
     BaseLeaseStore,
     DueWake,
@@ -156,7 +157,7 @@ class RedisLeaseStore(BaseLeaseStore):
             for name in (
                 "acquire", "renew", "release", "release_outcome", "get", "force_release",
                 "list", "gate_admit", "effect_begin", "effect_done", "checkpoint",
-                "identity_get", "sweep", "waiters", "wake_due",
+                "identity_get", "sweep", "waiters", "wake_due", "mark_once",
             )
         }  # fmt: skip
         self._waiters = scripts["waiters"]
@@ -172,6 +173,7 @@ class RedisLeaseStore(BaseLeaseStore):
         self._effect_done = scripts["effect_done"]
         self._checkpoint = scripts["checkpoint"]
         self._identity_get = scripts["identity_get"]
+        self._mark_once = scripts["mark_once"]
         self._sweep = scripts["sweep"]
         self._wake_due = scripts["wake_due"]
         self._sweep_start = 0  # the shard a sweep starts at, rotated so none waits behind others
@@ -736,6 +738,17 @@ class RedisLeaseStore(BaseLeaseStore):
         with self._run("fence gate read of %r", key):
             found = [self.client.hget(gates, key), self.client.get(self._gate_key(key))]
         return max((int(value) for value in found if value is not None), default=None)
+
+    def mark_once(self, key: str, token: str, ttl: float) -> bool:
+        """Record ``key`` for ``ttl`` seconds unless a live record of another ``token`` has it:
+        whether this caller holds it now (so a call repeated after a lost reply still finds
+        its own). One round trip, on an entry of the identities hash of the key's shard
+        (swept once expired)."""
+        key = validate_resource(key)
+        keys = self._keys(self.shard_of(key), "ids", "ids_exp")
+        args = [f"{key}|{MARK_IDENTITY}", token, max(1, round(ttl * 1e6))]
+        with self._run("mark of %r", key):
+            return bool(int(self._mark_once(keys=keys, args=args)))
 
     def check_health(self) -> builtins.list[str]:
         warnings: builtins.list[str] = []

@@ -123,6 +123,16 @@ class LedgerStatements:
                 SELECT count(*) FROM gone"""
                 for table, cols in keys.items()
             ]
+        # mark_once: a row of its own (resource: the mark's key) with the marker's token,
+        # taken over only once it expired; the retention sweep removes it.
+        self.mark_once = f"""
+            INSERT INTO {ids} AS d (resource, identity, state, fence, owner_token, owner_label,
+                                   result, expires_us)
+            VALUES ({p("r")}, {p("i")}, 'mark', 0, {p("t")}, '', NULL, {now} + {p("ttl")})
+            ON CONFLICT (resource, identity) DO UPDATE SET owner_token = excluded.owner_token,
+                expires_us = excluded.expires_us
+            WHERE d.expires_us <= {now} OR d.owner_token = excluded.owner_token
+            RETURNING 1"""
         live = f"""
             SELECT 1 FROM {t}
             WHERE resource = {p("r")} AND owner_token = {p("t")} AND fence = {p("f")}

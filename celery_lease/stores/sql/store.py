@@ -38,6 +38,7 @@ from ..base import (
     DEFAULT_MAX_TTL,
     DEFAULT_RETENTION,
     DEFAULT_WAKE_DUE_LIMIT,
+    MARK_IDENTITY,
     RECENT_EFFECTS,
     BaseLeaseStore,
     DueWake,
@@ -753,6 +754,23 @@ class SQLLeaseStore(BaseLeaseStore):
             if row is not None and (row[0] or (row[1] is not None and int(row[1]) > int(fence))):
                 return bool(row[0]), int(row[1])
         raise LeaseStoreError(f"fence gate admit of {key!r} kept racing a concurrent insert")
+
+    def mark_once(self, key: str, token: str, ttl: float) -> bool:
+        """Record ``key`` for ``ttl`` seconds unless a live record of another ``token`` has it:
+        whether this caller holds it now (so a call repeated after a lost reply still finds
+        its own). One statement, on a row of the identities table (swept once expired)."""
+        params = {
+            "r": validate_resource(key),
+            "i": MARK_IDENTITY,
+            "t": token,
+            "ttl": max(1, round(ttl * 1e6)),
+        }
+
+        def work(cursor: Any) -> bool:
+            with self._connections.immediate(cursor):
+                return fetch(cursor, self.ledger_sql.mark_once, params) is not None
+
+        return self._connections.run(f"mark of {key!r}", work)
 
     def gate_highest(self, key: str) -> int | None:
         params = {"k": validate_resource(key)}
