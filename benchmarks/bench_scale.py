@@ -287,10 +287,15 @@ def redis_used(store: Any) -> int:
 def memory(kind: str, store: Any, live: int, used0: int) -> dict[str, Any]:
     if kind == "redis":
         client = store.client
-        keys = [k for shard in store._key_names for k in shard.values()]
-        sampled = sum(int(client.memory_usage(k, samples=0) or 0) for k in keys)
+        by_kind: dict[str, int] = {}
+        for shard in store._key_names:
+            for kind_, key in shard.items():
+                size = int(client.memory_usage(key, samples=0) or 0)
+                by_kind[kind_] = by_kind.get(kind_, 0) + size
+        sampled = sum(by_kind.values())
         used = redis_used(store)
         return {
+            "memory_usage_by_kind": {k: v for k, v in by_kind.items() if v},
             "used_memory_delta": used - used0,
             "bytes_per_lease_used_memory": (used - used0) / live,
             "memory_usage_keys": sampled,
@@ -392,8 +397,10 @@ def sweep(kind: str, url: str, store: Any, tag: str, expired: int, pool: Any, pr
     celery_lease.on_expired("job/")(lambda lease: hooked.append(lease.resource))
     try:
         t0 = time.perf_counter()
+        listed = len(list(_sweeper._expired(store, "job/", expired)))  # the read alone
+        t1 = time.perf_counter()
         report = celery_lease.run_sweep(app, store=store, limit=expired)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t1
     finally:
         _sweeper._hooks[:] = saved
     return {
@@ -401,6 +408,33 @@ def sweep(kind: str, url: str, store: Any, tag: str, expired: int, pool: Any, pr
         "reclaimed": len(report.reclaimed),
         "hooks_run": len(hooked),
         "seconds": elapsed,
+        "listed": listed,
+        "list_s": t1 - t0,
+    }
+
+
+def sweeps(
+    kind: str, url: str, big: Any, base: Any, size: int, pool: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``--sweep-repeats`` pairs of sweeps, big and base alternately (each on fresh expired)."""
+    pairs = []
+    for r in range(args.sweep_repeats):
+        order = (big, base) if r % 2 == 0 else (base, big)
+        got = {
+            s.tag: sweep(kind, url, s, f"{size}r{r}", args.expired, pool, args.fill_processes)
+            for s in order
+        }
+        pairs.append((got[big.tag], got[base.tag]))
+    ratios = [b["seconds"] / a["seconds"] for b, a in pairs]
+    return {
+        "big_s": statistics.median(b["seconds"] for b, _ in pairs),
+        "base_s": statistics.median(a["seconds"] for _, a in pairs),
+        "ratio": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+        "reclaimed": [(b["reclaimed"], a["reclaimed"]) for b, a in pairs],
+        "big_list_s": statistics.median(b["list_s"] for b, _ in pairs),
+        "base_list_s": statistics.median(a["list_s"] for _, a in pairs),
+        "pairs": pairs,
     }
 
 
@@ -574,18 +608,13 @@ def run_store(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
                     flush=True,
                 )
             if "sweep" in phases:
-                s_big = sweep(kind, url, big, f"{size}", args.expired, pool, args.fill_processes)
-                s_base = sweep(kind, url, base, f"{size}", args.expired, pool, 2)
-                row["sweep"] = {
-                    "big": s_big,
-                    "base": s_base,
-                    "ratio": s_big["seconds"] / s_base["seconds"],
-                }
+                row["sweep"] = sw = sweeps(kind, url, big, base, size, pool, args)
                 print(
                     f"  sweep of {args.expired:,} expired: among {size:,} live "
-                    f"{s_big['seconds'] * 1000:.0f} ms ({s_big['reclaimed']} reclaimed), "
-                    f"among 1,000 {s_base['seconds'] * 1000:.0f} ms, "
-                    f"ratio {row['sweep']['ratio']:.2f}",
+                    f"{sw['big_s'] * 1000:.0f} ms, among 1,000 {sw['base_s'] * 1000:.0f} ms "
+                    f"(medians), ratio {sw['ratio']:.2f} "
+                    f"({sw['ratio_range'][0]:.2f}-{sw['ratio_range'][1]:.2f}); its listing "
+                    f"{sw['big_list_s'] * 1000:.0f} / {sw['base_list_s'] * 1000:.0f} ms",
                     flush=True,
                 )
             if "renew" in phases and held:
@@ -662,6 +691,7 @@ def main() -> int:
         "--renew-batch", default="0", help="comma list; 0: one call, as the renewer sends"
     )
     parser.add_argument("--expired", type=int, default=1000, help="expired leases to sweep")
+    parser.add_argument("--sweep-repeats", type=int, default=3, help="big/base sweep pairs")
     parser.add_argument("--churn-seconds", type=float, default=540.0)
     parser.add_argument("--churn-cycles", type=int, default=0, help="0: until --churn-seconds")
     parser.add_argument("--churn-resources", type=int, default=1000, help="per process")
