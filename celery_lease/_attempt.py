@@ -37,6 +37,7 @@ from ._message import (
     bound_size,
     owner_label,
     read_header,
+    request_get,
     waiter_name,
     wake_payload,
 )
@@ -168,7 +169,10 @@ class Attempt:
             lease.reconcile_effect = hook
         if lease.recovered:
             _recovered(task, lease)
-        if setup.settings.unique == "until_executing" and request.get(UNIQUE_HEADER) is not None:
+        if (
+            setup.settings.unique == "until_executing"
+            and request_get(request, UNIQUE_HEADER) is not None
+        ):
             _unique.at_body(task, setup, request)  # its publish lock goes before the body
         return self._run_leased(lease, renewer)
 
@@ -489,7 +493,7 @@ class Attempt:
                 held_since=started,
                 early=True,
             )
-            if ended and request.get(UNIQUE_HEADER) is not None:
+            if ended and request_get(request, UNIQUE_HEADER) is not None:
                 # Before Celery stores the result and sends a chain's next step, which may
                 # need this key (after_return comes after both).
                 _unique.finished(task, request)

@@ -106,9 +106,20 @@ def count(value: Any) -> int:
         return 0
 
 
+def request_get(request: Any, name: str) -> Any:
+    """``request.get(name)`` for a field no ``Context`` defines on its class (our headers,
+    ``idempotency_key``, ``argsrepr``): read from the instance's ``__dict__``, where Celery's
+    ``Context`` keeps a message's fields, instead of ``getattr`` with a default, which builds
+    and discards an ``AttributeError`` for every missing field (most of them, most of the time).
+    Any other request object is asked through its ``get``."""
+    if type(request) is Context:
+        return request.__dict__.get(name)
+    return request.get(name)
+
+
 def read_header(request: Any, name: str) -> Any:
     """A message header: top-level on a worker's request, in ``headers`` under apply()."""
-    value = request.get(name)
+    value = request_get(request, name)
     if value is None and isinstance(request.headers, dict):
         value = request.headers.get(name)
     return value
@@ -307,8 +318,11 @@ def owner_label(request: Any, name: str | None) -> str:
     # What `celery inspect active` shows: the argument text the sender recorded in the message
     # (a user's argsrepr= hides secrets there too), never a repr made here (not on every claim,
     # and an object's __repr__ is user code). Eager runs and direct calls record none.
-    args = getattr(request, "argsrepr", None)
-    kwargs = getattr(request, "kwargsrepr", None)
+    if type(request) is Context:  # (see request_get)
+        args, kwargs = request.__dict__.get("argsrepr"), request.__dict__.get("kwargsrepr")
+    else:
+        args = getattr(request, "argsrepr", None)
+        kwargs = getattr(request, "kwargsrepr", None)
     if not isinstance(args, str) or args in _NO_ARGUMENTS:
         args = ""
     if not isinstance(kwargs, str) or kwargs in _NO_ARGUMENTS:
@@ -366,7 +380,7 @@ def wake_payload(
     if request.is_eager or request.id is None:
         return None
     headers = request.headers
-    waits = request.get(WAITS_HEADER)
+    waits = request_get(request, WAITS_HEADER)
     if waits is None and isinstance(headers, dict):
         waits = headers.get(WAITS_HEADER)
     waits = int(waits or 0)

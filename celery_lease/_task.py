@@ -36,7 +36,13 @@ from ._attempt import Attempt
 from ._errors import LeaseConfigError, LeaseError
 from ._gates import GatesSpec, check_gates
 from ._lease import CURRENT_LEASE, Lease
-from ._message import PUBLISHED_HEADER, UNIQUE_HEADER, read_header, take_sent_route
+from ._message import (
+    PUBLISHED_HEADER,
+    UNIQUE_HEADER,
+    read_header,
+    request_get,
+    take_sent_route,
+)
 from ._names import IDENTITY_RULE, did_you_mean, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._pid import getpid
@@ -123,6 +129,10 @@ class LeaseTask(Task):  # type: ignore[misc]
     #: is the resource) or a ``(gate, key template or callable)`` pair per entry, the gate
     #: possibly a no-argument callable returning it (asked at each claim); see _gates.
     lease_gates: GatesSpec | None = None
+    #: ``reconcile_effect(key, lease)``: define it (or pass ``reconcile_effect=``) to settle an
+    #: effect an earlier owner began (see ``Lease.effect``). None here, not absent, so the claim
+    #: reads it without building an AttributeError per task.
+    reconcile_effect: Callable[[str, Lease], Any] | None = None
     lease_store_url: str | None = None
     lease_ttl: float | None = None
     lease_renew_interval: float | None = None
@@ -329,20 +339,20 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.get(ROUTE_HEADER) is not None:  # woken through a wake queue (or stale)
+        if request_get(request, ROUTE_HEADER) is not None:  # woken through a wake queue (or stale)
             take_sent_route(request)
         setup = self._compiled()
         direct = bool(request.called_directly)
         if direct and setup.settings.allow_direct_call:
             return super().__call__(*args, **kwargs)
-        if not direct and request.get(UNIQUE_HEADER) is not None:
+        if not direct and request_get(request, UNIQUE_HEADER) is not None:
             _unique.at_start(self, setup, request)
         return Attempt(self, setup, request, args, kwargs, direct).run()
 
     def after_return(self, *args: Any, **kwargs: Any) -> None:
         """Celery's hook after a SUCCESS or FAILURE: an ``until_executed`` lock is given back
         (call ``super().after_return(...)`` when you override it)."""
-        if self.request.get(UNIQUE_HEADER) is not None:
+        if request_get(self.request, UNIQUE_HEADER) is not None:
             _unique.finished(self, self.request)
         super().after_return(*args, **kwargs)
 

@@ -30,6 +30,7 @@ from ._message import (
     count,
     names_task,
     read_header,
+    request_get,
 )
 from ._wakes import EARLY_HEADER, EARLY_RETRY_DELAYS, LINEAGE_HEADER, WOKEN_HEADER
 
@@ -328,7 +329,8 @@ def skip(task: Any, busy: LeaseBusyError, how: str = "skip") -> NoReturn:
             task.backend.mark_as_failure(request.id, error, request=request)
         except Exception:
             log.exception("task %s[%s]: storing the %s failed", task.name, request.id, how)
-    if request.get(UNIQUE_HEADER) is not None and not names_task(busy.holder_label, request.id):
+    unique = request_get(request, UNIQUE_HEADER) is not None
+    if unique and not names_task(busy.holder_label, request.id):
         # (a copy of this same task id holds the resource: it runs on and keeps the lock)
         _unique.finished(task, request)
     raise Ignore(str(error))

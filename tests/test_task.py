@@ -814,3 +814,34 @@ class TestFailedCopy:
         task_id = unique("task")
         assert [self._ends(task, task_id, waits=w) for w in (1, 1, 2)] == ["failed"] * 3
         assert ran == [(task_id, 0)] * 3
+
+
+class TestRequestFields:
+    def test_fields_read_from_the_instance_are_not_context_class_attributes(self):
+        """request_get reads a Context's __dict__: every name it is asked is one Context.get
+        would otherwise find only there (no class attribute, no default of Celery's)."""
+        from celery.app.task import Context
+
+        from celery_lease import _message, _wakes
+
+        names = {
+            value
+            for module in (_message, _wakes)
+            for key, value in vars(module).items()
+            if key.endswith("_HEADER") and isinstance(value, str) and value.startswith("celery_")
+        }
+        names |= {"idempotency_key", "argsrepr", "kwargsrepr"}
+        assert names > {"celery_lease_unique", "celery_lease_wake_route"}
+        assert not [name for name in names if hasattr(Context, name)]
+
+    def test_request_get_matches_context_get(self):
+        """A Context's fields, present or missing, read the same as through Context.get; any
+        other request object is asked through its own get."""
+        from celery.app.task import Context
+
+        from celery_lease._message import request_get
+
+        request = Context(id="t1", celery_lease_unique="k", argsrepr="(1,)")
+        for name in ("celery_lease_unique", "argsrepr", "celery_lease_polls", "kwargsrepr"):
+            assert request_get(request, name) == request.get(name)
+        assert request_get({"celery_lease_unique": "k"}, "celery_lease_unique") == "k"
