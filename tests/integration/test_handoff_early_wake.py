@@ -70,7 +70,7 @@ def _queue_and_release(it_app, events, coord, proxy, n, qa, qb, backlog=0):
     events.wait(ev="enter", res=n, k=1)
     proxy.set_latency(LATENCY)
     for k in range(backlog):  # queued on qb before W's early copy is woken and refused
-        it_app.plain_step.apply_async((n, 100 + k, 0.05), queue=qb)
+        it_app.plain_step.apply_async((n, 100 + k, BACKLOG_STEP), queue=qb)
     coord.rpush(go_w1, 1)  # W1 ends: its release goes out slowly, the early wake at once
     try:
         events.wait(ev="exit", res=n, k=1, timeout=10)
@@ -120,7 +120,10 @@ def test_a_releaser_killed_after_its_early_wake_leaves_the_waiter_to_run_once(
     assert len(entered) == 1, f"W's body ran {len(entered)} times"
 
 
-BACKLOG = 60  # plain messages of 0.05 s on worker B's 2 threads: 1.5 s of queue
+BACKLOG = 60  # plain messages of BACKLOG_STEP on worker B's 2 threads: 4.5 s of queue
+#: (0.05 s left 1.5 s of queue, which a loaded CI box ran through before the early copy's
+#: refusal and resend: W then ran after the whole backlog with the wake queue too)
+BACKLOG_STEP = 0.15
 
 
 @pytest.mark.parametrize("kind", STORES)

@@ -82,7 +82,9 @@ def test_a_running_tasks_duplicate_is_rearmed_whatever_on_busy_says(
     if rearm == "off":  # the negative control: the harm the fix prevents
         if on_busy == "fail":
             assert how == "failed"
-            assert state_while_running == "FAILURE", "no FAILURE stored: the control is broken"
+            # (the line is logged just before the FAILURE is stored)
+            stored = wait_for(lambda: result.state == "FAILURE", 10, "the copy's FAILURE")
+            assert stored, "no FAILURE stored: the control is broken"
             worker_a.kill()  # its body sleeps 60 s: a warm shutdown would wait 15 s for it
             return
         assert how == "skipped"

@@ -240,15 +240,17 @@ class Overran(Exception):
 
 
 def compare_until_timely(sides: Any, swaps: list[tuple[str, str]], run: int) -> str | None:
-    """``compare`` on fresh sides for run ``run``, again (up to five tries) while bursts overran."""
-    for _ in range(4):
+    """``compare`` on fresh sides for run ``run``, again (up to eight tries) while bursts
+    overran; a box too loaded for every try proves nothing either way: the test is skipped
+    (saying so), not failed."""
+    for _ in range(8):
         what, plan, periods = runs()[run]
         try:
             return compare(*sides(swaps), plan, periods, what)
         except Overran as overran:
             print(f"{overran}: running it again")
-    what, plan, periods = runs()[run]
-    return compare(*sides(swaps), plan, periods, what)
+            last = overran
+    pytest.skip(f"every try overran on a loaded machine (last: {last})")
 
 
 def random_plan(seed: int) -> Any:

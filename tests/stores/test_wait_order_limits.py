@@ -161,8 +161,10 @@ def beside(store: Any, resource: str, prefix: str) -> str:
 
 
 def free_with_waiter(store: Any, resource: str, who: str, wait_ttl: float) -> None:
-    """``resource`` with a holder that died (its lease ran out) and ``who`` waiting."""
-    claim(store, resource, "dead", ttl=0.3)
+    """``resource`` with a holder that died (its lease ran out) and ``who`` waiting. (The
+    holder's lease lasts a second: with 0.3 s a loaded box let it run out before the waiter's
+    claim, which then took the resource instead of being listed.)"""
+    claim(store, resource, "dead", ttl=1.0)
     listed(store, resource, who, wait_ttl=wait_ttl)
     wait_for(lambda: store.get(resource).expires_in <= 0, 5, "the holder's lease to run out")
 
