@@ -274,6 +274,21 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any, **optio
     raise ValueError(kind)
 
 
+def store_or_fallback(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
+    """A fixture body: a store of ``kind``, where ``postgres_fallback`` is PostgreSQL with its
+    one-statement forms (no functions) and ``postgres`` is checked to run its functions."""
+    instance = make_store(kind.removesuffix("_fallback"), request, tmp_path)
+    if kind == "postgres_fallback":
+        instance.sql.use_functions(False)
+        instance.ledger_sql.use_functions(False)
+    elif kind == "postgres":
+        assert instance.sql.acquire_raw is instance.sql.fast_raw[0]  # the functions
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
 @contextlib.contextmanager
 def redis_admin(store: Any) -> Iterator[Any]:
     """A client on a Redis store's server that may read any key (the ACL user of a secure

@@ -14,7 +14,7 @@ from celery_lease import LeaseBusyError, LeaseConfigError, LeaseStoreError, Owne
 from celery_lease.stores import store_from_url
 from celery_lease.stores.base import POLL, REARM_GROWTH
 from celery_lease.stores.sql.waits import load
-from tests.conftest import make_store, unique
+from tests.conftest import make_store, store_or_fallback, unique
 from tests.tooling.servers import RedisServer, wait_for
 
 LONG = 30.0
@@ -48,17 +48,7 @@ def wstore(request, tmp_path):
 )
 def bstore(request, tmp_path):
     """Each store, and PostgreSQL also with its one-statement forms (no functions)."""
-    kind = request.param
-    instance = make_store(kind.removesuffix("_fallback"), request, tmp_path)
-    if kind == "postgres_fallback":
-        instance.sql.use_functions(False)
-        instance.ledger_sql.use_functions(False)
-    elif kind == "postgres":
-        assert instance.sql.acquire_raw is instance.sql.fast_raw[0]  # the functions
-    try:
-        yield instance
-    finally:
-        instance.close()
+    yield from store_or_fallback(request.param, request, tmp_path)
 
 
 @pytest.fixture(

@@ -16,7 +16,7 @@ import pytest
 
 from celery_lease import LeaseBusyError, Owner
 from celery_lease.stores._bounds import SINCE_SKEW, WAKE_DUE_SKIP
-from tests.conftest import make_store
+from tests.conftest import make_store, store_or_fallback
 from tests.tooling.servers import wait_for
 
 LONG = 30.0
@@ -36,17 +36,7 @@ SLACK_US = 50_000
 )
 def every(request, tmp_path):
     """Each store (the Redis Cluster one too), PostgreSQL also without its functions."""
-    kind = request.param
-    instance = make_store(kind.removesuffix("_fallback"), request, tmp_path)
-    if kind == "postgres_fallback":
-        instance.sql.use_functions(False)
-        instance.ledger_sql.use_functions(False)
-    elif kind == "postgres":
-        assert instance.sql.acquire_raw is instance.sql.fast_raw[0]  # the functions
-    try:
-        yield instance
-    finally:
-        instance.close()
+    yield from store_or_fallback(request.param, request, tmp_path)
 
 
 def now_us() -> int:
