@@ -424,7 +424,7 @@ class SQLLeaseStore(BaseLeaseStore):
             now=acquired,
         )
 
-    def renew_many(
+    def _renew_batch(
         self, leases: Sequence[Lease], ttl: float | None = None
     ) -> list[LeaseLostError | None]:
         if not leases:
