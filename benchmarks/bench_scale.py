@@ -16,7 +16,8 @@ leases held under ``job/live/`` (ttl one day):
   in the baseline store (1k live). Target: big/base <= 2.
 - **renew**: this process holds the first ``--renew`` leases of the fill as ``Lease`` objects and
   renews them all with ``renew_many``, as the renewer does: it sends every lease due within a
-  third of the interval in one call per store (``--renew-batch 0``, no cap); ``--renew-batch B``
+  third of the interval in one call per store (``--renew-batch 0``; the store sends it in
+  batches of ``RENEW_BATCH``, 1,000, one after another); ``--renew-batch B``
   splits them. Client CPU is this process's ``time.process_time()``; server CPU is Redis ``INFO
   cpu`` (``used_cpu_sys`` + ``used_cpu_user``) or, for PostgreSQL, ``utime + stime`` from
   ``/proc/<pid>/stat`` of the postmaster and all its children (backends, WAL writer,

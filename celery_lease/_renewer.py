@@ -1,13 +1,14 @@
 """One renewal thread per process for every lease the process holds.
 
 The thread keeps time and does no I/O. It wakes when the next renewal is due (each lease every
-``renew_interval``, with jitter) and hands the renewals due around then, one batch per store,
-to a lane (:mod:`._lanes`), a thread that makes the store call. Meanwhile it watches two
-deadlines of every lease, whatever its store is doing: the self-fence deadline (``ttl - margin``
-after the last successful renewal was *sent*) and the hard runtime cap. A lease found lost, or
-whose deadline passes without a successful renewal, has its hold's ``on_lost`` called (which
-stops the task body) from a thread of its own, so that nothing, a hanging store call or another
-lease's slow callback, delays that interruption.
+``renew_interval``, with jitter) and hands the renewals due around then, one batch per store, to
+a lane (:mod:`._lanes`), a thread that makes the store call (``RENEW_BATCH`` leases per round
+trip, one batch after another: a batch that fails leaves the others' answers standing).
+Meanwhile it watches two deadlines of every lease, whatever its store is doing: the self-fence
+deadline (``ttl - margin`` after the last successful renewal was *sent*) and the hard runtime
+cap. A lease found lost, or whose deadline passes without a successful renewal, has its hold's
+``on_lost`` called (which stops the task body) from a thread of its own, so that nothing, a
+hanging store call or another lease's slow callback, delays that interruption.
 
 A renewal still unanswered one interval after it was sent is sent again on another lane (a
 renewal is safe to repeat): a connection that stopped answering costs its leases one interval,
@@ -37,6 +38,7 @@ from ._errors import LeaseError, LeaseLostError
 from ._lanes import PER_STORE, TOTAL, Lanes
 from ._lease import Lease
 from ._pid import getpid
+from .stores._bounds import RENEW_BATCH
 
 if TYPE_CHECKING:
     from .stores.base import LeaseStore
@@ -54,6 +56,9 @@ JITTER = 0.15
 _UNIFORM = random.uniform
 _DRAWS: random.Random = _UNIFORM.__self__  # type: ignore[attr-defined]
 MIN_RETRY = 0.02
+
+#: What a renewal call reports per lease: renewed (None), lost, or its batch failed.
+_Outcome = LeaseLostError | None | Exception
 
 
 class Hold:
@@ -287,28 +292,32 @@ class Renewer:
             hold.call = call
         return True
 
-    def _finished(self, call: _Call, result: Sequence[LeaseLostError | None] | Exception) -> None:
+    def _finished(self, call: _Call, result: Sequence[_Outcome] | Exception) -> None:
         """A lane's call returned: record it, reschedule or lose its leases (on the lane)."""
         renewed = 0
+        outcomes = [result] * len(call.holds) if isinstance(result, Exception) else result
         with self._cond:
             self._calls.discard(call)
             now = _clock.monotonic()
-            current = [h for h in call.holds if h.call is call]
+            current = {h for h in call.holds if h.call is call}
             for hold in current:
                 hold.call = None
-            if isinstance(result, Exception):
-                # (A call sent again meanwhile has the last word; a dropped lease needs none.)
-                pending = [h for h in current if not h.done]
-                if pending:
-                    self._failed(pending, result, now)
-            else:
-                renewed = sum(lost is None for lost in result)
-                for hold, lost in zip(call.holds, result, strict=True):
-                    if hold.done:
-                        continue
-                    if lost is not None:
-                        self._lose(hold, lost)
-                    elif hold.call is None:
+            failed: list[Hold] = []
+            error: Exception | None = None
+            for hold, outcome in zip(call.holds, outcomes, strict=True):
+                if isinstance(outcome, LeaseLostError):
+                    if not hold.done:
+                        self._lose(hold, outcome)
+                elif isinstance(outcome, Exception):
+                    # Only this lease's batch failed (or was not sent after it): the others
+                    # of the call count as they were answered. (A call sent again meanwhile
+                    # has the last word; a dropped lease needs none.)
+                    error = outcome
+                    if hold in current and not hold.done:
+                        failed.append(hold)
+                else:
+                    renewed += 1
+                    if not hold.done and hold.call is None:
                         # Counted from when this renewal was sent, as its lease time is:
                         # counted from the reply, a slow link (a round trip near ttl/3)
                         # would let the next reply arrive after the self-fence deadline.
@@ -316,6 +325,8 @@ class Renewer:
                             1 - random.uniform(0, JITTER)
                         )
                         hold.retrying = False
+            if error is not None and failed:
+                self._failed(failed, error, now)
             self._declare_overdue(now)
             self._cond.notify()
         if renewed:
@@ -382,9 +393,25 @@ class Renewer:
         lanes.shutdown()
 
 
-def _renew(store: LeaseStore, leases: list[Lease]) -> Sequence[LeaseLostError | None]:
+def _renew(store: LeaseStore, leases: list[Lease]) -> list[_Outcome]:
+    """Renew ``leases`` in batches of ``RENEW_BATCH``, one after another, on this lane.
+
+    One outcome per lease: None (renewed), its LeaseLostError, or the exception of its batch.
+    A batch that fails ends the call: its leases and those of the batches not yet sent get its
+    exception (retried soon), the leases of the batches answered before it keep their answers.
+    Each batch's leases count their lease time from when that batch was sent (the store takes
+    the time as it sends it), so the self-fence deadline of a later batch is not pushed back.
+    """
     failpoints.hit("inside_renew")
-    return store.renew_many(leases)
+    if len(leases) <= RENEW_BATCH:
+        return list(store.renew_many(leases))
+    outcomes: list[_Outcome] = []
+    for start in range(0, len(leases), RENEW_BATCH):
+        try:
+            outcomes += store.renew_many(leases[start : start + RENEW_BATCH])
+        except Exception as exc:  # noqa: BLE001 - reported per lease by _finished
+            return outcomes + [exc] * (len(leases) - len(outcomes))
+    return outcomes
 
 
 def _deliver(hold: Hold, error: LeaseLostError) -> None:

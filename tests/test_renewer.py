@@ -88,6 +88,51 @@ class TestRenewer:
         assert sum(t.name == "celery-lease-renewer" for t in threading.enumerate()) == others + 1
         assert not lost
 
+    def test_a_failed_batch_leaves_the_batches_before_it_renewed(self, store, renewer, monkeypatch):
+        """More leases due than RENEW_BATCH go out in batches, one after another on the lane:
+        when the third batch fails, the leases of the first two count as renewed (rescheduled a
+        full interval on, not retried), only the failed batch's are retried, and none is lost.
+        (Before: one store call for all six, so one failure retried every lease.)"""
+        monkeypatch.setattr(renewer_module, "RENEW_BATCH", 2, raising=False)
+        lost, on_lost = lost_recorder()
+        failing: set[str] = set()
+        batches: list[list[str]] = []
+        real = store.renew_many
+
+        def renew_many(leases, ttl=None):
+            names = [lease.resource for lease in leases]
+            batches.append(names)
+            if len(batches) == 3:  # the third batch of the first tick fails, and stays failing
+                failing.update(names)
+            if failing.intersection(names):
+                raise LeaseStoreError("injected failure of one batch")
+            return real(leases, ttl)
+
+        monkeypatch.setattr(store, "renew_many", renew_many)
+        leases = [store.acquire(f"r{i}", Owner.new(), 3.0) for i in range(6)]
+        before = {lease.resource: lease.expires_at for lease in leases}
+        holds = [
+            renewer.hold(lease, interval=0.6, max_runtime=60, on_lost=on_lost) for lease in leases
+        ]
+        wait_for(lambda: len(batches) >= 4, 10, "a retry of the failed batch")
+        assert [len(b) for b in batches[:3]] == [2, 2, 2]
+        renewed = set(batches[0] + batches[1])
+        assert failing == set(batches[2]) and not renewed & failing
+        with renewer._mutex:
+            for hold in holds:
+                name = hold.lease.resource
+                if name in renewed:
+                    assert hold.lease.expires_at > before[name] and not hold.retrying
+                    assert hold.next_due >= hold.lease.sent_monotonic + 0.6 * (1 - 0.15) - 1e-6
+                else:
+                    assert hold.lease.expires_at == before[name] and hold.retrying
+        assert all(set(b) <= failing for b in batches[3:])  # only the failed batch is retried
+        failing.clear()
+        wait_for(
+            lambda: all(lease.expires_at > before[lease.resource] for lease in leases), 5, "renew"
+        )
+        assert not lost
+
     def test_the_first_renewal_follows_a_pinned_random_uniform(self, store, monkeypatch):
         """A test that pins random.uniform (the earliest renewal: the full jitter) gets it for
         the first renewal too, as for every later one; a seeded random draws the same values

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["POLL", "POLL_HOLD", "POLL_PLACES", "REARM_GROWTH", "SINCE_SKEW", "WAKE_DUE_SKIP"]
+__all__ = [
+    "POLL",
+    "POLL_HOLD",
+    "POLL_PLACES",
+    "REARM_GROWTH",
+    "RENEW_BATCH",
+    "SINCE_SKEW",
+    "WAKE_DUE_SKIP",
+]
 
 #: The wake payload of a polling place: a waiter nobody sends a message to (it has no identity
 #: to deduplicate two copies of it, its message is over its task's bound, or the list had no
@@ -49,3 +57,11 @@ SINCE_SKEW = 5.0
 #: copies (a back-stop copy claims it, or wakes the head) or a later pass. Memory and SQL read
 #: on without a bound (SQL through its list index, outside the server's one thread).
 WAKE_DUE_SKIP = 1000
+
+#: Most leases one round trip of ``renew_many`` renews; more go in batches of this many, one
+#: after another. PostgreSQL takes at most 65,535 parameters per statement (its renewal sends 5
+#: per lease: 13,107 leases at most), and a Redis script blocks the server while it runs (about
+#: 17 us per lease: 100k leases in one script blocked it 1.7 s, and past ``busy-reply-threshold``
+#: other clients get BUSY). A batch of 1,000 blocks Redis for about 20 ms and costs little more
+#: per lease than one call for all (docs/performance.md, "At scale").
+RENEW_BATCH = 1000

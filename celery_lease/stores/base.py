@@ -120,7 +120,15 @@ from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, MAX_FENCE, show_value, validate_resource, validate_ttl
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
-from ._bounds import POLL, POLL_HOLD, POLL_PLACES, REARM_GROWTH, SINCE_SKEW, WAKE_DUE_SKIP
+from ._bounds import (
+    POLL,
+    POLL_HOLD,
+    POLL_PLACES,
+    REARM_GROWTH,
+    RENEW_BATCH,
+    SINCE_SKEW,
+    WAKE_DUE_SKIP,
+)
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -374,13 +382,17 @@ class LeaseStore(Protocol):
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None
     ) -> list[LeaseLostError | None]:
-        """Renew every lease in one round trip, as ``renew`` would one by one.
+        """Renew every lease, as ``renew`` would one by one, in one round trip per
+        ``RENEW_BATCH`` (1,000) leases: one for the common few, batches one after another for
+        more (so that no statement or script grows with the number of leases).
 
         Returns a list aligned with ``leases``: None where the lease was renewed (and updated in
         place), the LeaseLostError where it was not.
 
         Raises:
-            LeaseStoreError: the store failed; every lease's state is unknown.
+            LeaseStoreError: the store failed; the state of every lease not yet reported is
+                unknown (the leases of batches answered before it are renewed, and updated in
+                place, or not; those of the batches after it were not sent).
         """
         ...
 
@@ -929,7 +941,21 @@ class BaseLeaseStore:
 
     def renew_many(
         self, leases: Sequence[Lease], ttl: float | None = None
+    ) -> list[LeaseLostError | None]:
+        """See :meth:`LeaseStore.renew_many`: ``_renew_batch`` per ``RENEW_BATCH`` leases."""
+        if len(leases) <= RENEW_BATCH:
+            return self._renew_batch(leases, ttl)
+        for lease in leases:  # every argument checked before any batch is sent
+            self._renew_ttl(lease, ttl)
+        results: list[LeaseLostError | None] = []
+        for start in range(0, len(leases), RENEW_BATCH):
+            results += self._renew_batch(leases[start : start + RENEW_BATCH], ttl)
+        return results
+
+    def _renew_batch(
+        self, leases: Sequence[Lease], ttl: float | None
     ) -> list[LeaseLostError | None]:  # pragma: no cover - overridden
+        """Renew at most ``RENEW_BATCH`` leases in one round trip."""
         raise NotImplementedError
 
 

@@ -411,7 +411,7 @@ class MemoryLeaseStore(BaseLeaseStore):
             return self._lost(lease, "expired", None, None)
         return current
 
-    def renew_many(
+    def _renew_batch(
         self, leases: Sequence[Lease], ttl: float | None = None
     ) -> list[LeaseLostError | None]:
         ttls = [self._renew_ttl(lease, ttl) for lease in leases]

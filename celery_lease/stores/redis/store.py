@@ -421,7 +421,7 @@ class RedisLeaseStore(BaseLeaseStore):
         expired = len(item) > 4 and bool(int(item[4]))  # (taken over, and expired since)
         return self._lost(lease, reason, label, fence, expired)
 
-    def renew_many(
+    def _renew_batch(
         self, leases: Sequence[Lease], ttl: float | None = None
     ) -> list[LeaseLostError | None]:
         if not leases:

@@ -206,16 +206,23 @@ class Statements:
         self.get = f"""
             SELECT owner_label, fence, acquired_us, expires_us, {now}
             FROM {t} WHERE resource = {p("r")} AND owner_token IS NOT NULL"""
-        self.list = f"""
-            SELECT resource, owner_label, fence, acquired_us, expires_us, n.us
-            FROM {t}, (SELECT {now} AS us) AS n
-            WHERE owner_token IS NOT NULL
+        # list(): by the expiry index (expires_us, resource), in its order, from the cursor on.
+        # Every bound on expires_us is a range of the index: the cursor's (>=, then the tie on
+        # resource), and for the expired listing the clock, read once as a scalar sub-query (a
+        # clock expression or a join to it is no index bound: that listing read and sorted
+        # every live lease). The expired listing reads only rows expired by now: O(expired).
+        listing = f"""
+            WITH clk AS (SELECT {now} AS us)
+            SELECT resource, owner_label, fence, acquired_us, expires_us, (SELECT us FROM clk)
+            FROM {t}
+            WHERE expires_us >= {p("after_e")}{{bound}}
+              AND (expires_us > {p("after_e")} OR resource > {p("after_r")})
+              AND owner_token IS NOT NULL
               AND substr(resource, 1, {p("plen")}) = {p("prefix")}
-              AND (expires_us > {p("after_e")}
-                   OR (expires_us = {p("after_e")} AND resource > {p("after_r")}))
-              AND ({p("expired")} = 0 OR expires_us <= n.us)
             ORDER BY expires_us, resource
             LIMIT {p("n")}"""
+        self.list = listing.format(bound="")
+        self.list_expired = listing.format(bound=" AND expires_us <= (SELECT us FROM clk)")
         if dialect == "postgresql":
             # Old values come back through the locked sub-select joined to the update.
             # With a fence (f): only the lease with that fence (nothing when it changed hands).

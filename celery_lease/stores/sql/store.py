@@ -424,7 +424,7 @@ class SQLLeaseStore(BaseLeaseStore):
             now=acquired,
         )
 
-    def renew_many(
+    def _renew_batch(
         self, leases: Sequence[Lease], ttl: float | None = None
     ) -> list[LeaseLostError | None]:
         if not leases:
@@ -682,12 +682,12 @@ class SQLLeaseStore(BaseLeaseStore):
             "plen": len(prefix),
             "after_e": -(2**62) if after is None else after[0],
             "after_r": "" if after is None else after[1],
-            "expired": 1 if expired_only else 0,
             "n": limit + 1,
         }
+        statement = self.sql.list_expired if expired_only else self.sql.list
 
         def work(cur: Any) -> list[tuple[Any, ...]]:
-            cur.execute(self.sql.list, query)
+            cur.execute(statement, query)
             return list(cur.fetchall())
 
         rows = self._connections.run("list", work)
