@@ -110,12 +110,14 @@ class TestExitTurns:
         assert release_lease(held, app=app)
         assert _sent(client, queue) == ["w1"]
         told: list[float] = []
+        draining = time.monotonic()
         assert _wakes.drain_turns(on_wait=told.append) is True
         took = time.monotonic() - started
         assert GRACE - 0.05 < took < GRACE + _wakes.EXIT_SLACK + 1.0, f"{took:.2f}s"
         assert _sent(client, queue) == ["w1", "w1", "w2"]
         assert _woken(store, resource) == ["w2"]
-        assert len(told) == 1 and 0 < told[0] <= GRACE + _wakes.TURN_SLACK
+        if draining - started < GRACE - 0.1:  # (a loaded box may reach the drain past the grace)
+            assert len(told) == 1 and 0 < told[0] <= GRACE + _wakes.TURN_SLACK
 
     def test_a_claimed_wake_needs_no_wait(
         self, waker: _wakes.Waker, broker: Any, store: Any

@@ -32,6 +32,11 @@ def it_app(redis_server: Any) -> Any:
     module = importlib.import_module("tests.integration.worker_app")
     module.app.conf.broker_url = os.environ["CL_BROKER"]
     module.app.conf.result_backend = os.environ["CL_BACKEND"]
+    # (the peers' lock stores too: another test module may have imported the app before
+    # CL_COORD was set, leaving their URLs empty)
+    if isinstance(module.app.conf.get("ONCE"), dict):
+        module.app.conf.ONCE["settings"]["url"] = os.environ["CL_COORD"]
+        module.app.conf.singleton_backend_url = os.environ["CL_COORD"]
     return module
 
 

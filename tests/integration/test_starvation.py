@@ -45,6 +45,8 @@ def _run(it_app, start_worker, store_env, events, queue, n, **options):
     # The store saw no renewal during the hog: the lease expired and was taken over from it.
     assert newer.previous_fence == start["fence"] and newer.fence > start["fence"]
     writes = events.where(ev="write", res=n)
+    if result.state == "FAILURE":  # (its failure event is reported after the state is stored)
+        events.wait(task=result.id, ev="failure", timeout=10)
     ended = events.where(task=result.id, ev="failure") or [{"ev": result.state}]
     print(f"options={options}: writes {writes}; ended {ended[0]}")
     return writes, result, ended[0]
