@@ -607,7 +607,10 @@ class TestSecretsInAGatesUrl:
         assert any(" retry: " in line for line in lines)  # Celery's retry line
         assert not [line for line in lines if SECRET in line]
         assert SECRET not in caplog.text  # (tracebacks included)
-        assert leases.get("acct-1") is None  # given back
+        held = leases.get("acct-1")
+        # given back: free, or claimed since by the retry's copy (fence 2) before the worker
+        # stopped (seen in CI)
+        assert held is None or held.fence >= 2, held
 
     def test_a_label_and_a_message_drop_every_query_and_mask_passwords(self):
         """gate_label and the admit failure's message leave out any query string (not only
