@@ -11,6 +11,7 @@ control that switches one protection off in the workers and shows the harm it pr
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 import time
@@ -454,7 +455,7 @@ def test_a_waiter_whose_copy_a_quorum_queues_delivery_limit_dropped_is_not_lost(
         **store_env("redis"),
         "CL_BROKER": amqp_vhost.url,
         "CL_TTL": "2",
-        "CL_BACKOFF_CAP": "2",
+        "CL_BACKOFF_CAP": "3",
         "CL_QUORUM_QUEUE": queue,
         "CL_DELIVERY_LIMIT": "0",
         "CL_HANDOFF": "1" if handoff else "0",
@@ -474,12 +475,22 @@ def test_a_waiter_whose_copy_a_quorum_queues_delivery_limit_dropped_is_not_lost(
         waiter = producer.send_task(it_app.rabbit_job.name, (n, 1), queue=queue)
         events.wait(ev="retry", task=waiter.id)
 
-        def ready() -> int:  # messages in Q no consumer holds yet
-            with producer.connection_for_write() as conn:
-                return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+        def held_by_a() -> bool:
+            """A holds a copy of the waiter as a countdown (unacked) due in a second or more:
+            the kill then lands before A runs it and publishes the next copy to Q (where the
+            new worker would get it). The retry event is told before the copy is published,
+            so neither it nor an empty Q proves A holds the copy."""
+            inspect = producer.control.inspect(destination=[node(a)], timeout=2)
+            scheduled = inspect.scheduled() or {}
+            now = datetime.datetime.now(datetime.timezone.utc)
+            return any(
+                e["request"]["id"] == waiter.id
+                and datetime.datetime.fromisoformat(e["eta"]) - now > datetime.timedelta(seconds=1)
+                for es in scheduled.values()
+                for e in es
+            )
 
-        # A holds the back-stop copy (unacked) before it dies, or the new worker gets it
-        wait_for(lambda: ready() == 0, 10, "worker A to hold the waiter's back-stop copy")
+        wait_for(held_by_a, 20, "worker A to hold the waiter's back-stop copy")
         a.kill()  # (RabbitMQ drops both of A's unacked messages: returned once is too many)
         killed = time.monotonic()
         coord.set(go, 1)
