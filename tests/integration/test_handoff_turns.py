@@ -159,7 +159,8 @@ def test_a_dropped_head_passes_on_though_the_releasing_pool_process_exits(
     which wakes W2 once W1's grace is over. ``kept`` (``CL_HAND_OVER=0``): each pool process
     runs its own checks before it exits: W2 is on time too (how soon W3 follows either way is
     printed, not asserted: speed). Negative control ``off`` (``CL_EXIT_TURNS=0``): the check
-    dies with the process; nobody wakes W2. Before: W2 started 9-12 s after the holder ended (ttl 30), or at its back-stop."""
+    dies with the process; nobody wakes W2. Before: W2 started 9-12 s after the holder ended
+    (ttl 30), or at its back-stop."""
     grace = 2.0
     env = {**store_env("redis"), **NO_PASS, "CL_HANDOFF_GRACE": str(grace)}
     env.update({"kept": {"CL_HAND_OVER": "0"}, "off": {"CL_EXIT_TURNS": "0"}}.get(exit_turns, {}))

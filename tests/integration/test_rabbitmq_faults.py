@@ -439,6 +439,77 @@ def test_waiters_run_in_line_through_the_wake_queue_and_a_cancelled_worker_gets_
     assert node(a) not in hosts, entered
 
 
+@pytest.mark.parametrize("consumes_wake", [True, False], ids=["wake_queue", "negative_control"])
+def test_a_wake_stranded_when_its_only_consumer_died_runs_the_waiter_once_on_the_next_worker(
+    amqp_vhost, it_app, start_worker, store_env, events, queue, tmp_path, consumes_wake
+):
+    """Worker A is the only consumer of Q (and so of Q.lease-wake). It holds the resource and
+    has a refused waiter's back-stop copy; at the release it sends the wake and is SIGKILLed
+    right after (failpoint ``after_wake``). The wake is then stranded: in Q.lease-wake, with no
+    consumer; RabbitMQ gives A's back-stop copy back to Q. Worker B, started after, consumes
+    both: the waiter runs once, woken through the wake queue, and its back-stop copy is dropped
+    (the queues drain with one run). Negative control (B does not consume wake queues,
+    ``lease_handoff_wake_queue`` off, as in a fleet where some workers do not): the wake stays
+    stranded and the waiter runs from its back-stop copy once the hold for it lapsed."""
+    env = {
+        **store_env("redis"),
+        "CL_BROKER": amqp_vhost.url,
+        "CL_TTL": "2",
+        "CL_BACKOFF_BASE": "0.05",
+        "CL_BACKOFF_CAP": "3",
+        "CL_EARLY_WAKE": "0",  # (the failpoint stops a wake sent after the release)
+    }
+    killer = {
+        **env,
+        "CELERY_LEASE_FAILPOINTS": "after_wake=kill",
+        "CELERY_LEASE_FAILPOINTS_ONCE": str(tmp_path / "once"),
+    }
+    a = start_worker(killer, queue=queue, pool="threads", concurrency=2)
+    wake = queue + ".lease-wake"
+    n, go = unique("s"), events.key_for("go")
+    with producer_for(it_app, amqp_vhost.url) as producer:
+        producer.send_task(it_app.fifo_gate.name, (n, 0, go), queue=queue)
+        events.wait(ev="enter", res=n, k=0)
+        waiter = producer.send_task(it_app.fifo_hold.name, (n, 1, 0.05), queue=queue)
+        events.wait(ev="retry", task=waiter.id)
+        events.client.rpush(go, 1)  # the holder ends: A releases, wakes the waiter, dies
+        assert a.proc is not None
+        wait_for(lambda: a.proc.poll() is not None, 30, "worker A killed right after its wake")
+        wait_for(
+            lambda: (
+                amqp_vhost.queues().get(wake, {}).get("consumers") == "0"
+                and amqp_vhost.queues()[wake].get("messages_ready") == "1"
+            ),
+            20,
+            "the wake stranded in Q.lease-wake, with no consumer",
+        )
+        assert not _entered_k(events, n, 1), "the waiter ran before the wake was stranded"
+        killed = time.monotonic()
+        b = start_worker({**env, "CL_WAKE_QUEUE": "1" if consumes_wake else "0"}, queue=queue)
+        assert waiter.get(timeout=60) == 1
+        ran_after = time.monotonic() - killed
+        # drained (ready and unacked): B has acked the back-stop copy, run or dropped
+        wait_for(lambda: drained(amqp_vhost, queue), 30, "the back-stop copy taken from Q")
+    entered = _entered_k(events, n, 1)
+    queues = amqp_vhost.queues()
+    print(
+        f"consumes_wake={consumes_wake}: waiter ran {len(entered)} time(s), via "
+        f"{[e['via'] for e in entered]}, {ran_after:.1f}s after B was started; "
+        f"{wake}: {queues.get(wake)}"
+    )
+    assert len(entered) == 1 and entered[0]["host"] == node(b), entered
+    if not consumes_wake:
+        assert entered[0]["via"] is None, "the waiter was woken: the control is broken"
+        assert queues[wake]["messages_ready"] == "1", queues  # still stranded
+        return
+    assert entered[0]["via"] == wake, entered
+    assert drained(amqp_vhost, wake), queues
+
+
+def _entered_k(events: Any, n: str, k: int) -> list[dict[str, Any]]:
+    return [e for e in events.where(ev="enter", res=n) if e["k"] == k]
+
+
 # -- quorum queues: the delivery limit -----------------------------------------------------------
 @pytest.mark.parametrize("handoff", [True, False], ids=["wait_list", "negative_control"])
 def test_a_waiter_whose_copy_a_quorum_queues_delivery_limit_dropped_is_not_lost(

@@ -62,7 +62,9 @@ if env.get("CL_ACKS_LATE") == "0":  # Celery's default: the message is acked as 
 if env.get("CL_DEDUP") == "0":  # no identity records: a copy of a finished task runs again
     app.conf.lease_dedup = False
 if env.get("CL_QUORUM_QUEUE"):
-    # The test's queue as a quorum queue (x-delivery-limit CL_DELIVERY_LIMIT when set).
+    # The test's queue as a quorum queue (x-delivery-limit CL_DELIVERY_LIMIT when set), bound
+    # to an exchange of type CL_QUORUM_EXCHANGE: topic (default) as Celery's docs set quorum
+    # queues up for its native delayed delivery, or direct (the queue then gets a wake queue).
     from kombu import Exchange, Queue
 
     _quorum_args: dict[str, Any] = {"x-queue-type": "quorum"}
@@ -70,7 +72,12 @@ if env.get("CL_QUORUM_QUEUE"):
         _quorum_args["x-delivery-limit"] = int(env["CL_DELIVERY_LIMIT"])
     _name = env["CL_QUORUM_QUEUE"]
     app.conf.task_queues = [
-        Queue(_name, Exchange(_name, type="topic"), routing_key=_name, queue_arguments=_quorum_args)
+        Queue(
+            _name,
+            Exchange(_name, type=env.get("CL_QUORUM_EXCHANGE", "topic")),
+            routing_key=_name,
+            queue_arguments=_quorum_args,
+        )
     ]
     # Celery then declares 28 delay queues for its native delayed delivery, quorum ones by
     # default: deleting the test's vhost took 17 s with those, so here they are classic.

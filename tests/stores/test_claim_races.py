@@ -185,4 +185,6 @@ def test_refused_claims_racing_hand_overs_all_join_the_wait_list(race: Race) -> 
         for who, answer in answers.items()
         if isinstance(answer, LeaseBusyError) and not answer.position and not answer.duplicate
     )
-    assert unqueued == [], f"{len(unqueued)} refused claims were not queued: {unqueued}"
+    assert unqueued == [], f"{len(unqueued)} refused claims were not queued: " + "; ".join(
+        f"{who}: {answers[who]!r} {vars(answers[who])}" for who in unqueued
+    )

@@ -319,25 +319,19 @@ class RabbitMQServer:
         """Delete the vhost ``name`` with its queues, exchanges and bindings."""
         self.ctl("delete_vhost", name)
 
+    #: the columns list_queues reports, in order
+    QUEUE_COLUMNS = ("durable", "messages", "consumers", "type", "messages_ready")
+
     def list_queues(self, vhost: str = "/") -> dict[str, dict[str, str]]:
-        """The queues of ``vhost``: name -> its ``durable``, ``messages`` and ``consumers``."""
-        out = self.ctl(
-            "list_queues",
-            "-p",
-            vhost,
-            "--no-table-headers",
-            "name",
-            "durable",
-            "messages",
-            "consumers",
-        )
+        """The queues of ``vhost``: name -> its ``durable``, ``messages`` (ready and unacked),
+        ``consumers``, ``type`` (classic, quorum) and ``messages_ready``."""
+        columns = self.QUEUE_COLUMNS
+        out = self.ctl("list_queues", "-p", vhost, "--no-table-headers", "name", *columns)
         queues = {}
         for line in out.splitlines():
             fields = line.split("\t")
-            if len(fields) == 4:
-                queues[fields[0]] = dict(
-                    zip(("durable", "messages", "consumers"), fields[1:], strict=True)
-                )
+            if len(fields) == len(columns) + 1:
+                queues[fields[0]] = dict(zip(columns, fields[1:], strict=True))
         return queues
 
     # -- stop -----------------------------------------------------------------------------------
