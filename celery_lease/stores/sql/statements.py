@@ -117,6 +117,9 @@ class Statements:
                 FROM {settle}
                 WHERE NOT EXISTS (SELECT 1 FROM claim)"""
             self.release_fast = wait_sql.release_calling(t, fn.hand_off, p)
+            # A claim whose snapshot went stale again and again takes the row first (see
+            # SQLLeaseStore.acquire): its statement then starts with the row as it will find it.
+            self.lock_row = f"SELECT 1 FROM {t} WHERE resource = {p('r')} FOR UPDATE"
             self.inline_raw = (wait_sql.raw(self.acquire), wait_sql.raw(self.release_wake))
             self.fast_raw = (wait_sql.raw(self.acquire_fast), wait_sql.raw(self.release_fast))
             self.use_functions(False)

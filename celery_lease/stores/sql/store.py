@@ -77,6 +77,13 @@ _SQLITE_MIN = (3, 35, 0)  # RETURNING
 #: tail later: overtaken by every later arrival). 3 was seen to give up for 14-29 % of refused
 #: claims racing hand-overs every few ms.
 CLAIM_TRIES = 50
+#: After this many stale answers a PostgreSQL claim takes the lease row first (``SELECT ... FOR
+#: UPDATE``, then the claim, in one transaction: one more round trip), so its statement's
+#: snapshot is taken with the row locked and cannot go stale. Asking again alone was not
+#: enough: with hand-overs committing back to back on a loaded box a claim's every snapshot
+#: could be stale, and after CLAIM_TRIES it was refused without a place (seen once in CI: a
+#: joiner of test_claim_races not queued). None: never (the tests' control).
+LOCK_AFTER_STALE: int | None = 2
 
 
 class SQLLeaseStore(BaseLeaseStore):
@@ -296,9 +303,18 @@ class SQLLeaseStore(BaseLeaseStore):
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:
             self._use_functions(create=False)
-        for _ in range(CLAIM_TRIES):
+        for tries in range(CLAIM_TRIES):
             sent = monotonic()
-            row = self._run_waits(f"acquire of {resource!r}", lambda c: claim(c, params))
+            if self.dialect == "postgresql" and LOCK_AFTER_STALE is not None:
+                locked = tries >= LOCK_AFTER_STALE
+            else:
+                locked = False
+            row = self._run_waits(
+                f"acquire of {resource!r}",
+                (lambda c: self._locked_claim(c, claim, params))
+                if locked
+                else (lambda c: claim(c, params)),
+            )
             if row is None:  # a racing first claim is not visible to our snapshot yet: ask again
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
@@ -372,6 +388,18 @@ class SQLLeaseStore(BaseLeaseStore):
                 lease.own_wake = row.own_wake
             return lease
         raise LeaseBusyError.held(resource, None, None, None)
+
+    def _locked_claim(
+        self,
+        cursor: Any,
+        claim: Callable[[Any, dict[str, Any]], ClaimRow | None],
+        params: dict[str, Any],
+    ) -> ClaimRow | None:
+        """``claim`` in a transaction that first takes the lease row (PostgreSQL): its statement
+        then sees the row as it stands and nobody changes it before the claim commits."""
+        with cursor.connection.transaction():
+            cursor.execute(self.sql.lock_row, {"r": params["r"]})
+            return claim(cursor, params)
 
     def _completed_meanwhile(
         self, resource: str, owner: Owner, identity: str, fence: int, acquired: int, ttl: float
