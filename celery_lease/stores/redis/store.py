@@ -294,11 +294,9 @@ class RedisLeaseStore(BaseLeaseStore):
         early_wake: bool = False,
         own_wake: bool = False,
     ) -> Lease:
-        ttl = self._claim_args(resource, owner, ttl)
-        identity = self._identity_args(identity)
-        name = self._waiter_args(identity, waiter, since)  # (its place's name)
-        payload = self._wait_args(name, wait, wait_ttl)
-        attempt = self._attempt_args(attempt)
+        ttl, identity, name, payload, attempt = self._claim_checks(
+            resource, owner, ttl, identity, waiter, since, wait, wait_ttl, attempt
+        )
         shard = self.shard_of(resource)
         keys = self._acquire_keys[shard]
         grace = max(1, round(self.handoff_grace * 1e6))
@@ -490,7 +488,7 @@ class RedisLeaseStore(BaseLeaseStore):
         fails) runs while the release's reply is awaited: the command is on its way first
         (except when the server's script cache is cold, after a restart: the NOSCRIPT answer
         is read after ``meanwhile`` ran, and the release is sent again once loaded)."""
-        self._renew_ttl(lease, None)
+        self._release_checks(lease, outcome)
         shard = self.shard_of(lease.resource)
         grace = max(1, round(self.handoff_grace * 1e6))
         # (each script with its fixed arguments first: see lua.HEADED_RELEASE, unless a test
@@ -504,7 +502,6 @@ class RedisLeaseStore(BaseLeaseStore):
             own: tuple[str | int, ...] = (lease.resource, lease.owner.token, lease.fence)
             script = self._release
         else:
-            self._outcome_args(lease, outcome)
             keys = self._outcome_keys[shard]
             base, headed = self._headed_release_outcome
             if base is not self._release_outcome:
