@@ -69,20 +69,20 @@ _MAX_HEADS = 1024
 _HEAD_KEYS = 12  # a claim has 9
 
 
-class Translate:
-    """Context manager turning redis errors into LeaseStoreError (cheaper than a generator)."""
+class Translate(shielded):
+    """Context manager turning redis errors into LeaseStoreError (cheaper than a generator).
 
-    __slots__ = ("shield", "subject", "url", "what")
+    A :class:`shielded` itself (its ``__enter__``): a lease interrupt waits until the call
+    returns; one object and one call less per store call than holding one.
+    """
+
+    __slots__ = ("subject", "url", "what")
 
     def __init__(self, url: str, what: str, subject: object) -> None:
         self.url, self.what, self.subject = url, what, subject
-        self.shield = shielded()
 
-    def __enter__(self) -> None:
-        self.shield.__enter__()  # a lease interrupt waits until the call returns
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.shield.__exit__()
+    def __exit__(self, exc_type: object = None, exc: object = None, tb: object = None) -> None:
+        shielded.__exit__(self)
         if exc is not None and isinstance(exc, DRIVER_ERRORS):
             what = self.what % self.subject if self.subject is not None else self.what
             if connection_refused(exc):
