@@ -27,6 +27,7 @@ from ._errors import (
     LeaseStoreError,
     StaleFenceError,
 )
+from ._eventlog import log as event_log
 from ._interrupt import Interrupter, LeaseInterrupt
 from ._lease import CURRENT_LEASE, Lease, Owner, identity_outcome
 from ._message import (
@@ -150,9 +151,10 @@ class Attempt:
             outage.claim_succeeded(store.url)
         failpoints.hit("after_acquire")
         _CLAIMED.record(claim_seconds)
-        _execution.log_event(
-            task, "claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label
-        )
+        if event_log.isEnabledFor(logging.DEBUG):  # (not the call, when it is off)
+            _execution.log_event(
+                task, "claimed", logging.DEBUG, lease.resource, lease.fence, lease.owner.label
+            )
         if (
             lease.identity_state is not None
             or lease.identity_attempt > (request.retries or 0)

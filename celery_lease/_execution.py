@@ -207,7 +207,7 @@ def release(
             result=recorded,
             **meanwhile,
         )
-        if released:
+        if released and event_log.isEnabledFor(logging.DEBUG):  # (not the call, when off)
             log_event(
                 task,
                 "released",

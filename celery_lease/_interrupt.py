@@ -305,7 +305,7 @@ class shielded:
                 interrupter._raise_again()
             interrupter._enter_shield()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, exc: object = None, tb: object = None) -> None:
         if self.interrupter is not None:
             self.interrupter._exit_shield()
 

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from celery import Task
 from celery.app.task import Context
 
 from . import _clock
@@ -115,6 +116,30 @@ def request_get(request: Any, name: str) -> Any:
     if type(request) is Context:
         return request.__dict__.get(name)
     return request.get(name)
+
+
+def task_request(task: Any) -> Any:
+    """``task.request``: the request of ``task``'s execution running in this thread (or
+    greenlet), read without the miss Celery's ``Local`` takes on every read.
+
+    ``Task.request`` reads ``request_stack.top``, whose ``Local`` finds its per-thread values
+    in ``__getattr__``, which Python calls only once the ordinary lookup failed with an
+    AttributeError that is formatted and dropped: about 9k instructions per read (callgrind),
+    twice per lease task. This reads the same stack the same way, without that lookup. A task
+    class with a ``request`` of its own, or anything unexpected (an empty stack: the default
+    request; another Celery's locals; a proxy of the task), is asked through ``task.request``.
+    """
+    if getattr(type(task), "request", None) is _TASK_REQUEST:
+        try:
+            local = task.request_stack._local
+            return local.__storage__[local.__ident_func__()]["stack"][-1]
+        except (AttributeError, KeyError, IndexError, TypeError):
+            pass
+    return task.request
+
+
+#: Celery's ``Task.request`` property (what task_request stands in for).
+_TASK_REQUEST = Task.request
 
 
 def read_header(request: Any, name: str) -> Any:

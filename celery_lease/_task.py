@@ -42,6 +42,7 @@ from ._message import (
     read_header,
     request_get,
     take_sent_route,
+    task_request,
 )
 from ._names import IDENTITY_RULE, did_you_mean, show_value, validate_resource
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
@@ -338,7 +339,7 @@ class LeaseTask(Task):  # type: ignore[misc]
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        request = self.request
+        request = task_request(self)
         if request_get(request, ROUTE_HEADER) is not None:  # woken through a wake queue (or stale)
             take_sent_route(request)
         setup = self._compiled()
@@ -352,8 +353,9 @@ class LeaseTask(Task):  # type: ignore[misc]
     def after_return(self, *args: Any, **kwargs: Any) -> None:
         """Celery's hook after a SUCCESS or FAILURE: an ``until_executed`` lock is given back
         (call ``super().after_return(...)`` when you override it)."""
-        if request_get(self.request, UNIQUE_HEADER) is not None:
-            _unique.finished(self, self.request)
+        request = task_request(self)
+        if request_get(request, UNIQUE_HEADER) is not None:
+            _unique.finished(self, request)
         super().after_return(*args, **kwargs)
 
     def reconcile(self, lease: Lease) -> None:

@@ -845,3 +845,43 @@ class TestRequestFields:
         for name in ("celery_lease_unique", "argsrepr", "celery_lease_polls", "kwargsrepr"):
             assert request_get(request, name) == request.get(name)
         assert request_get({"celery_lease_unique": "k"}, "celery_lease_unique") == "k"
+
+    def test_task_request_is_the_tasks_own_request(self, app):
+        """task_request reads what task.request reads: the default request outside an
+        execution, the innermost pushed one inside, each thread its own, and a task class's
+        own request property where it has one."""
+        import threading
+
+        from celery_lease._message import task_request
+
+        @lease_task(app=app, resource="r:{n}")
+        def proxy(n):
+            return n
+
+        task = app.tasks[proxy.name]  # (the task object, as Celery calls it)
+        assert task_request(proxy) is proxy.request
+        assert task_request(task) is task.request  # none pushed: the default request
+        task.push_request(id="outer")
+        try:
+            assert task_request(task) is task.request
+            assert task_request(task).id == "outer"
+            task.push_request(id="inner")
+            assert task_request(task).id == "inner"
+            task.pop_request()
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append(task_request(task)))
+            thread.start()
+            thread.join()
+            assert seen[0].id is None and seen[0] is not task_request(task)
+        finally:
+            task.pop_request()
+        assert task_request(task) is task.request
+
+        class Own(type(task)):
+            abstract = True
+
+            @property
+            def request(self):
+                return "own"
+
+        assert task_request(Own()) == "own"

@@ -119,6 +119,7 @@ from .._codec import from_micros
 from .._errors import LeaseBusyError, LeaseConfigError, LeaseLostError
 from .._lease import Lease, LeaseInfo, Owner, identity_outcome, split_identity_state
 from .._names import IDENTITY_RULE, MAX_FENCE, show_value, validate_resource, validate_ttl
+from .._names import RESOURCE_PATTERN as _RESOURCE_RE
 from .._settings import DEFAULT_RETENTION, WAIT_BYTES_CAP
 from ._bounds import (
     POLL,
@@ -195,6 +196,9 @@ MAX_SWEEP_LIMIT = 100_000
 
 
 IDENTITY_OUTCOMES = ("done", "failed", "retry")
+#: The longest a waiter's place may be kept (``acquire``'s ``wait_ttl``), seconds.
+_MAX_WAIT_TTL = 365 * 86400.0
+_INF = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -739,6 +743,79 @@ class BaseLeaseStore:
     supports_early_wake = False
 
     # The checks run before any I/O so bad input never reaches a store.
+    def _claim_checks(
+        self,
+        resource: str,
+        owner: Owner,
+        ttl: float,
+        identity: str | None,
+        waiter: str | None,
+        since: int | None,
+        wait: str | None,
+        wait_ttl: float,
+        attempt: int | None,
+    ) -> tuple[float, str | None, str | None, str, int | None]:
+        """Every check of a claim's arguments, in the order ``acquire`` makes them
+        (``_claim_args``, ``_identity_args``, ``_waiter_args``, ``_wait_args``,
+        ``_attempt_args``): returns ``(ttl, identity, place name, wait payload, attempt)``.
+
+        The arguments a lease task sends (plain types, valid names, no waiter name or
+        ``since``) pass in one expression here, the same rules as those checks apply (a
+        claim's eleven Python calls of them cost it about 10k instructions); anything else goes
+        through each check, which also says what is wrong.
+        """
+        if (
+            type(resource) is str
+            and _RESOURCE_RE.fullmatch(resource) is not None
+            and type(owner) is Owner
+            and (type(ttl) is float or type(ttl) is int)
+            and 0 < ttl <= self.max_ttl
+            and ttl < _INF
+            and (
+                identity is None
+                or (type(identity) is str and _RESOURCE_RE.fullmatch(identity) is not None)
+            )
+            and waiter is None
+            and since is None
+            and (
+                wait is None
+                or (
+                    identity is not None
+                    and type(wait) is str
+                    and wait != ""
+                    and "\x00" not in wait
+                    and wait.isascii()
+                    and type(wait_ttl) is float
+                    and 0.0 < wait_ttl <= _MAX_WAIT_TTL
+                )
+            )
+            and (attempt is None or (type(attempt) is int and attempt >= 0))
+        ):
+            return float(ttl), identity, identity, "" if wait is None else wait, attempt
+        ttl = self._claim_args(resource, owner, ttl)
+        identity = self._identity_args(identity)
+        name = self._waiter_args(identity, waiter, since)  # (its place's name)
+        payload = self._wait_args(name, wait, wait_ttl)
+        return ttl, identity, name, payload, self._attempt_args(attempt)
+
+    def _release_checks(self, lease: Lease, outcome: str | None) -> None:
+        """``_renew_ttl(lease, None)`` then ``_outcome_args(lease, outcome)``: a release's
+        checks, the common case (a Lease of a claim, an outcome of attempt 0) in one
+        expression, anything else through each check."""
+        if type(lease) is Lease:
+            ttl = lease.ttl
+            if (
+                type(ttl) is float
+                and 0.0 < ttl <= self.max_ttl
+                and ttl < _INF
+                and (
+                    outcome is None or (outcome in IDENTITY_OUTCOMES and lease.identity is not None)
+                )
+            ):
+                return
+        self._renew_ttl(lease, None)
+        self._outcome_args(lease, outcome)
+
     def _claim_args(self, resource: str, owner: Owner, ttl: float) -> float:
         validate_resource(resource)
         if not isinstance(owner, Owner):
@@ -827,7 +904,7 @@ class BaseLeaseStore:
                     f"{exc.start}, which UTF-8 cannot encode (the stores keep payloads as "
                     "UTF-8); pass valid Unicode text"
                 ) from None
-        validate_ttl(wait_ttl, 365 * 86400.0, name="wait_ttl")
+        validate_ttl(wait_ttl, _MAX_WAIT_TTL, name="wait_ttl")
         return wait
 
     @staticmethod

@@ -230,11 +230,9 @@ class MemoryLeaseStore(BaseLeaseStore):
         waiter: str | None = None,
         since: int | None = None,
     ) -> Lease:
-        ttl = self._claim_args(resource, owner, ttl)
-        identity = self._identity_args(identity)
-        name = self._waiter_args(identity, waiter, since)  # (its place's name)
-        payload = self._wait_args(name, wait, wait_ttl)
-        attempt = self._attempt_args(attempt)
+        ttl, identity, name, payload, attempt = self._claim_checks(
+            resource, owner, ttl, identity, waiter, since, wait, wait_ttl, attempt
+        )
         sent = monotonic()
         with self._lock:
             now = self._now_us()
@@ -439,8 +437,7 @@ class MemoryLeaseStore(BaseLeaseStore):
     def release(
         self, lease: Lease, *, outcome: str | None = None, result: str | None = None
     ) -> bool:
-        self._renew_ttl(lease, None)
-        self._outcome_args(lease, outcome)
+        self._release_checks(lease, outcome)
         with self._lock:
             if outcome is not None:
                 assert lease.identity is not None

@@ -553,6 +553,41 @@ class TestRedisEvalshaHead:
         finally:
             client.close()
 
+    def test_fixed_arguments_go_with_the_head(self, redis_server):
+        """Arguments passed as fixed are sent after the keys, before the call's own, packed
+        with the head and kept per value: the server sees the command as packed whole."""
+        from hiredis import pack_command
+
+        from celery_lease.stores.redis.connection import Connections, Script
+
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            connections = Connections(client)
+            script = Script(connections, self.ECHO)
+            script.load()
+            keys = ["k:{a}1", "k:{a}2"]
+            sent: list[bytes] = []
+            conn = connections.free.get()
+            original = conn.send_packed_command
+            conn.send_packed_command = lambda packed, **kw: (
+                sent.append(b"".join(packed)),
+                original(packed, **kw),
+            )
+            connections.free.put(conn)
+            for fixed in ((30_000_000, "", "\u00e9"), (30_000_000, "1", "\u00e9"), ("k:{a}2",)):
+                for _ in range(2):  # the second call reuses the kept head
+                    got_keys, got_args = script(keys=keys, args=["r", 7], fixed=fixed)
+                    assert [k.decode() for k in got_keys] == keys
+                    assert got_args == [str(a).encode() for a in (*fixed, "r", 7)]
+                sent.clear()
+                script(keys=keys, args=["r", 7], fixed=fixed)
+                want = pack_command(("EVALSHA", script.sha, len(keys), *keys, *fixed, "r", 7))
+                assert sent == [want]
+            # One head per fixed values; a fixed argument equal to a key is not taken for one.
+            assert len(connections._heads) == 3
+        finally:
+            client.close()
+
     def test_only_heads_of_a_few_keys_are_kept(self, redis_server):
         """A renewal batch's keys differ from call to call: a long key list is packed whole
         each time, never kept (the kept heads stay small and few)."""
@@ -571,3 +606,39 @@ class TestRedisEvalshaHead:
             assert list(connections._heads) == [(script.sha, *few)]
         finally:
             client.close()
+
+
+class TestRedisHeadedScripts:
+    """The claims and releases send their fixed arguments first (a prelude puts them back in
+    the script's order); a test's stand-in for a script is sent them in its own order."""
+
+    def test_a_stand_in_script_gets_its_own_order(self, redis_server):
+        store = RedisLeaseStore(url=redis_server.url, key_prefix=unique("headed"))
+        calls: list[tuple[str, list[Any]]] = []
+
+        class StandIn:
+            def __init__(self, name, script):
+                self.name, self.script = name, script
+
+            def __call__(self, keys, args, **kwargs):
+                calls.append((self.name, list(args)))
+                return self.script(keys=keys, args=args, **kwargs)
+
+        try:
+            for attr in ("_acquire", "_release", "_release_outcome"):
+                setattr(store, attr, StandIn(attr, getattr(store, attr)))
+            owner = Owner.new("host:1:t")
+            plain = store.acquire("headed-a", owner, 30)
+            assert store.release(plain)
+            ident = store.acquire("headed-b", owner, 30, identity="i-1", attempt=0)
+            assert store.release(ident, outcome="done", result="7")
+            assert [(name, args[:3]) for name, args in calls] == [
+                ("_acquire", ["headed-a", owner.token, owner.label]),
+                ("_release", ["headed-a", owner.token, plain.fence]),
+                ("_acquire", ["headed-b", owner.token, owner.label]),
+                ("_release_outcome", ["headed-b", owner.token, ident.fence]),
+            ]
+            assert calls[0][1][3] == 30_000_000 and calls[2][1][4] == "i-1"
+            assert calls[3][1][3:6] == ["i-1", "done", "7"]
+        finally:
+            store.close()

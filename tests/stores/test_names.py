@@ -26,7 +26,7 @@ import re
 import string
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -548,3 +548,74 @@ class TestRedisAcl:
             with pytest.raises(LeaseStoreError) as caught:
                 dead.get("n/a")
             assert SECRET not in str(caught.value)
+
+
+class TestOnePassChecks:
+    """A claim's and a release's arguments are checked in one pass when they are the common
+    ones (BaseLeaseStore._claim_checks, _release_checks): it accepts exactly what the checks
+    one by one accept, returns what they return, and refuses nothing by itself."""
+
+    OWNER = Owner.new("host:1:t")
+    VALUES: ClassVar[dict[str, list[Any]]] = {
+        "resource": ["r-1", "a" * 200, "a" * 201, "", "r 1", "r\x00", 7, None],
+        "owner": [OWNER, "token"],
+        "ttl": [30.0, 30, 1e-9, 0.0, -1.0, float("nan"), float("inf"), 10**9, True, "30"],
+        "identity": [None, "i-1", "i 1", "", 5],
+        "waiter": [None, "w-1"],
+        "since": [None, 5],
+        "wait": [None, '{"task":"x"}', "", "a\x00b", "\u00e9", "\ud800", 5],
+        "wait_ttl": [120.0, 120, 0.0, float("nan"), 365 * 86400.0 + 1],
+        "attempt": [None, 0, 3, -1, True, "1"],
+    }
+
+    @staticmethod
+    def one_by_one(store: Any, a: dict[str, Any]) -> tuple[Any, ...]:
+        ttl = store._claim_args(a["resource"], a["owner"], a["ttl"])
+        identity = store._identity_args(a["identity"])
+        name = store._waiter_args(identity, a["waiter"], a["since"])
+        payload = store._wait_args(name, a["wait"], a["wait_ttl"])
+        return ttl, identity, name, payload, store._attempt_args(a["attempt"])
+
+    @staticmethod
+    def outcome(call: Any) -> Any:
+        try:
+            got = call()
+        except (LeaseConfigError, TypeError) as exc:  # (a release's outcome 3: as before)
+            return ("refused", type(exc), str(exc))
+        return ("ok", got, [type(v) for v in got])
+
+    def test_a_claim_is_accepted_and_refused_as_check_by_check(self):
+        store = MemoryLeaseStore()
+        rng = random.Random(1)
+        base = {name: values[0] for name, values in self.VALUES.items()}
+        cases = [dict(base)]
+        for name, values in self.VALUES.items():  # every value of one argument at a time
+            cases += [{**base, name: value} for value in values[1:]]
+        for _ in range(3000):  # and random mixes
+            cases.append({name: rng.choice(values) for name, values in self.VALUES.items()})
+        accepted = 0
+        for a in cases:
+            want = self.outcome(lambda a=a: self.one_by_one(store, a))
+            got = self.outcome(lambda a=a: store._claim_checks(**a))
+            assert got == want, a
+            accepted += want[0] == "ok"
+        assert accepted > 10  # (the fast path itself ran: most mixes hold a bad value)
+
+    def test_a_release_is_checked_as_check_by_check(self):
+        store = MemoryLeaseStore()
+        lease = store.acquire("r-rel", self.OWNER, 30, identity="i-1")
+        plain = store.acquire("r-rel2", self.OWNER, 30)
+        for target in (lease, plain, "lease"):
+            for outcome in (None, "done", "failed", "retry", "retry:2", "done:1", "nope", 3):
+
+                def one_by_one(target=target, outcome=outcome):
+                    store._renew_ttl(target, None)
+                    store._outcome_args(target, outcome)
+                    return ()
+
+                want = self.outcome(one_by_one)
+                got = self.outcome(lambda t=target, o=outcome: store._release_checks(t, o) or ())
+                assert got == want, (target, outcome)
+        lease.ttl = float("nan")  # (a ttl no claim gives: refused as before)
+        with pytest.raises(LeaseConfigError):
+            store._release_checks(lease, None)

@@ -621,17 +621,51 @@ return {1, fence, acquired, exp, epoch, prev_label, prev_fence, ist, ifence, ila
 """
 )
 
-#: Put before ACQUIRE (or a test's patched copy of it), the claim most tasks send: no identity,
-#: no place to wait in, no attempt, no waiter name, placed by arrival. Six arguments to pack
-#: and parse instead of seventeen; the claim below reads the same values it would be sent (the
-#: ones it does not read on this path, retention and the wait list's bounds, are only read with
-#: an identity or a place to join).
-#: ARGV[1] resource, ARGV[2] owner token, ARGV[3] owner label, ARGV[4] ttl (us), ARGV[5]
-#: hand-off grace (us), ARGV[6] '1' to get back the next wake payload (ACQUIRE's ARGV[13]) or ''
+# The preludes below put a script's arguments back in its own order (the ARGV its header names)
+# from the order the store sends them in: first those that are the same call after call (the
+# store's settings, the task's ttl), which the store packs once with the keys (Connections.
+# evalsha's ``fixed``), then those of this call. Put before the script, or a test's patched
+# copy of it.
+
+#: Put before ACQUIRE, the claim most tasks send: no identity, no place to wait in, no
+#: attempt, no waiter name, placed by arrival. Six arguments to pack and parse instead of
+#: seventeen; the claim below reads the same values it would be sent (the ones it does not
+#: read on this path, retention and the wait list's bounds, are only read with an identity or
+#: a place to join).
+#: ARGV[1] ttl (us), ARGV[2] hand-off grace (us), ARGV[3] '1' to get back the next wake
+#: payload (ACQUIRE's ARGV[13]) or '', then ARGV[4] resource, ARGV[5] owner token,
+#: ARGV[6] owner label
 #: returns what ACQUIRE returns
 SHORT_CLAIM = """
-local ARGV = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '', '0', '', '0', '0', ARGV[5], '0', '',
-  ARGV[6], '', '', '', '0'}
+local ARGV = {ARGV[4], ARGV[5], ARGV[6], ARGV[1], '', '0', '', '0', '0', ARGV[2], '0', '',
+  ARGV[3], '', '', '', '0'}
+"""
+
+#: Put before ACQUIRE, every other claim: its seventeen arguments, the fixed ones first.
+#: ARGV[1] ttl (us), ARGV[2] retention (us), ARGV[3] wait list cap, ARGV[4] hand-off grace
+#: (us), ARGV[5] the most bytes of wake payloads, ARGV[6] '1' for the next wake payload or '',
+#: ARGV[7] '1' for the claimant's own place's payload or '', ARGV[8] how far (us) a since may
+#: lie ahead, then ARGV[9] resource, ARGV[10] owner token, ARGV[11] owner label, ARGV[12]
+#: identity or '', ARGV[13] wake payload or '', ARGV[14] how long the place is kept (us),
+#: ARGV[15] attempt or '', ARGV[16] the place's name or '', ARGV[17] since (us) or ''
+#: (ACQUIRE's ARGV 4, 6, 9, 10, 11, 13, 14, 17, then 1, 2, 3, 5, 7, 8, 12, 15, 16)
+#: returns what ACQUIRE returns
+HEADED_CLAIM = """
+local ARGV = {ARGV[9], ARGV[10], ARGV[11], ARGV[1], ARGV[12], ARGV[2], ARGV[13], ARGV[14],
+  ARGV[3], ARGV[4], ARGV[5], ARGV[15], ARGV[6], ARGV[7], ARGV[16], ARGV[17], ARGV[8]}
+"""
+
+#: Put before RELEASE: ARGV[1] hand-off grace (us), then ARGV[2] resource, ARGV[3] owner
+#: token, ARGV[4] fence (RELEASE's ARGV 4, then 1, 2, 3); returns what RELEASE returns
+HEADED_RELEASE = """
+local ARGV = {ARGV[2], ARGV[3], ARGV[4], ARGV[1]}
+"""
+
+#: Put before RELEASE_OUTCOME: ARGV[1] retention (us), ARGV[2] hand-off grace (us), then
+#: ARGV[3] resource, ARGV[4] owner token, ARGV[5] fence, ARGV[6] identity, ARGV[7] outcome,
+#: ARGV[8] result or '' (RELEASE_OUTCOME's ARGV 7, 8, then 1 to 6); returns what it returns
+HEADED_RELEASE_OUTCOME = """
+local ARGV = {ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[1], ARGV[2]}
 """
 
 RENEW = (

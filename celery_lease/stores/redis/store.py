@@ -78,6 +78,17 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _acquire_order(fixed: tuple[Any, ...], own: tuple[Any, ...]) -> list[Any]:
+    """ACQUIRE's seventeen arguments in its own order, from HEADED_CLAIM's ``fixed`` and
+    ``own`` (for a stand-in a test swapped in for the claim's script)."""
+    ttl, retention, cap, grace, cap_bytes, early, own_wake, skew = fixed
+    resource, token, label, identity, payload, wait_ttl, attempt, name, since = own
+    return [
+        resource, token, label, ttl, identity, retention, payload, wait_ttl, cap, grace,
+        cap_bytes, attempt, early, own_wake, name, since, skew,
+    ]  # fmt: skip
+
+
 class RedisLeaseStore(BaseLeaseStore):
     """Leases in Redis: a standalone server, or a Redis Cluster with ``cluster=True``.
 
@@ -162,12 +173,16 @@ class RedisLeaseStore(BaseLeaseStore):
         }  # fmt: skip
         self._waiters = scripts["waiters"]
         self._acquire = scripts["acquire"]
-        #: (ACQUIRE's script, the short claim made of it): remade when a test swaps _acquire.
-        short = Script(self._connections, lua.SHORT_CLAIM + lua.ACQUIRE)
-        self._short_claim = (self._acquire, short)
         self._renew = scripts["renew"]
         self._release = scripts["release"]
         self._release_outcome = scripts["release_outcome"]
+        # (the script each is made of, and it): remade when a test swaps that script
+        self._short_claim = self._headed_claim = self._headed_release = (None, None)
+        self._headed_release_outcome: tuple[Any, Script | None] = (None, None)
+        self._remade("_short_claim", lua.SHORT_CLAIM, self._acquire)
+        self._remade("_headed_claim", lua.HEADED_CLAIM, self._acquire)
+        self._remade("_headed_release", lua.HEADED_RELEASE, self._release)
+        self._remade("_headed_release_outcome", lua.HEADED_RELEASE_OUTCOME, self._release_outcome)
         self._get = scripts["get"]
         self._force_release = scripts["force_release"]
         self._list = scripts["list"]
@@ -216,6 +231,17 @@ class RedisLeaseStore(BaseLeaseStore):
         return self._keys(self.shard_of(validate_resource(resource)), "fences")[0]
 
     # -- plumbing --------------------------------------------------------------------------
+    def _remade(self, attr: str, prelude: str, base: Any) -> Script | None:
+        """The claim's or a release's script ``base`` with ``prelude`` before it (its fixed
+        arguments sent first, see scripts.py), kept with ``base`` in ``attr``; None when a
+        test swapped ``base`` for a stand-in that is no Script (it is then sent its arguments
+        in its own order)."""
+        script = None
+        if isinstance(base, Script):
+            script = Script(self._connections, prelude + base.source)
+        setattr(self, attr, (base, script))
+        return script
+
     def _run(self, what: str, subject: object = None) -> Translate:
         """Translate driver errors: the single place where redis exceptions are caught.
 
@@ -268,14 +294,13 @@ class RedisLeaseStore(BaseLeaseStore):
         early_wake: bool = False,
         own_wake: bool = False,
     ) -> Lease:
-        ttl = self._claim_args(resource, owner, ttl)
-        identity = self._identity_args(identity)
-        name = self._waiter_args(identity, waiter, since)  # (its place's name)
-        payload = self._wait_args(name, wait, wait_ttl)
-        attempt = self._attempt_args(attempt)
+        ttl, identity, name, payload, attempt = self._claim_checks(
+            resource, owner, ttl, identity, waiter, since, wait, wait_ttl, attempt
+        )
         shard = self.shard_of(resource)
         keys = self._acquire_keys[shard]
         grace = max(1, round(self.handoff_grace * 1e6))
+        ttl_us, early = max(1, round(ttl * 1e6)), "1" if early_wake else ""
         sent = monotonic()
         if (
             identity is None
@@ -285,43 +310,49 @@ class RedisLeaseStore(BaseLeaseStore):
             and since is None
             and not own_wake
         ):
-            # The claim most tasks send (see lua.SHORT_CLAIM): six arguments, not seventeen.
+            # The claim most tasks send (see lua.SHORT_CLAIM): three arguments of its own.
             base, short = self._short_claim
             if base is not self._acquire:  # (a test swapped the claim's script)
-                short = Script(self._connections, lua.SHORT_CLAIM + self._acquire.source)
-                self._short_claim = (self._acquire, short)
-            args: list[str | int] = [
-                resource,
-                owner.token,
-                owner.label,
-                max(1, round(ttl * 1e6)),
-                grace,
-                "1" if early_wake else "",
-            ]
+                short = self._remade("_short_claim", lua.SHORT_CLAIM, self._acquire)
+            own: tuple[str | int, ...] = (resource, owner.token, owner.label)
             with self._run("acquire of %r", resource):
-                reply = short(keys=keys, args=args)
+                if short is not None:
+                    reply = short(keys=keys, args=own, fixed=(ttl_us, grace, early))
+                else:
+                    fixed = (ttl_us, 0, 0, grace, 0, early, "", 0)
+                    reply = self._acquire(
+                        keys=keys, args=_acquire_order(fixed, (*own, "", "", 0, "", "", ""))
+                    )
         else:
-            args = [
-                resource,
-                owner.token,
-                owner.label,
-                max(1, round(ttl * 1e6)),
-                identity or "",
+            base, headed = self._headed_claim
+            if base is not self._acquire:
+                headed = self._remade("_headed_claim", lua.HEADED_CLAIM, self._acquire)
+            fixed = (
+                ttl_us,
                 self._retention_us,
-                payload,
-                max(1, round(wait_ttl * 1e6)),
                 self.wait_cap,
                 grace,
                 self.wait_bytes_cap,
-                "" if attempt is None else attempt,
-                "1" if early_wake else "",
+                early,
                 "1" if own_wake else "",
+                self._since_skew_us,
+            )
+            own = (
+                resource,
+                owner.token,
+                owner.label,
+                identity or "",
+                payload,
+                max(1, round(wait_ttl * 1e6)),
+                "" if attempt is None else attempt,
                 name if name is not None and name != identity else "",
                 "" if since is None else since,
-                self._since_skew_us,
-            ]
+            )
             with self._run("acquire of %r", resource):
-                reply = self._acquire(keys=keys, args=args)
+                if headed is not None:
+                    reply = headed(keys=keys, args=own, fixed=fixed)
+                else:
+                    reply = self._acquire(keys=keys, args=_acquire_order(fixed, own))
         if reply[0] == 2:
             assert identity is not None
             result = _text(reply[2]) if reply[2] else None
@@ -457,29 +488,41 @@ class RedisLeaseStore(BaseLeaseStore):
         fails) runs while the release's reply is awaited: the command is on its way first
         (except when the server's script cache is cold, after a restart: the NOSCRIPT answer
         is read after ``meanwhile`` ran, and the release is sent again once loaded)."""
-        self._renew_ttl(lease, None)
+        self._release_checks(lease, outcome)
         shard = self.shard_of(lease.resource)
         grace = max(1, round(self.handoff_grace * 1e6))
+        # (each script with its fixed arguments first: see lua.HEADED_RELEASE, unless a test
+        # swapped it for a stand-in, which is sent its arguments in its own order)
         if outcome is None:
             keys = self._release_keys[shard]
-            args: list[str | int] = [lease.resource, lease.owner.token, lease.fence, grace]
+            base, headed = self._headed_release
+            if base is not self._release:
+                headed = self._remade("_headed_release", lua.HEADED_RELEASE, self._release)
+            fixed: tuple[str | int, ...] = (grace,)
+            own: tuple[str | int, ...] = (lease.resource, lease.owner.token, lease.fence)
             script = self._release
         else:
-            self._outcome_args(lease, outcome)
             keys = self._outcome_keys[shard]
-            args = [
+            base, headed = self._headed_release_outcome
+            if base is not self._release_outcome:
+                headed = self._remade(
+                    "_headed_release_outcome", lua.HEADED_RELEASE_OUTCOME, self._release_outcome
+                )
+            fixed = (self._retention_us, grace)
+            own = (
                 lease.resource,
                 lease.owner.token,
                 lease.fence,
                 lease.identity or "",
                 outcome,
                 result or "",
-                self._retention_us,
-                grace,
-            ]
+            )
             script = self._release_outcome
         with self._run("release of %r", lease.resource):
-            done = script(keys=keys, args=args, meanwhile=meanwhile)
+            if headed is not None:
+                done = headed(keys=keys, args=own, meanwhile=meanwhile, fixed=fixed)
+            else:
+                done = script(keys=keys, args=[*own, *fixed], meanwhile=meanwhile)
         if isinstance(done, list):  # handed over to the head waiter
             lease.handoff = None if done[1] is None else _text(done[1])
             return True

@@ -276,10 +276,9 @@ class SQLLeaseStore(BaseLeaseStore):
         early_wake: bool = False,
         own_wake: bool = False,
     ) -> Lease:
-        ttl = self._claim_args(resource, owner, ttl)
-        identity = self._identity_args(identity)
-        name = self._waiter_args(identity, waiter, since)  # (its place's name)
-        payload = self._wait_args(name, wait, wait_ttl)
+        ttl, identity, name, payload, attempt = self._claim_checks(
+            resource, owner, ttl, identity, waiter, since, wait, wait_ttl, attempt
+        )
         ttl_us = max(1, round(ttl * 1e6))
         params = {
             "r": resource,
@@ -292,7 +291,7 @@ class SQLLeaseStore(BaseLeaseStore):
             "cap": self.wait_cap,
             "wbytes": self.wait_bytes_cap,
             "grace": max(1, round(self.handoff_grace * 1e6)),
-            "a": self._attempt_args(attempt),
+            "a": attempt,
             # (invariant 15, PostgreSQL: SQLite's statements do not name them)
             "nw": early_wake,
             "ow": own_wake,
@@ -527,8 +526,7 @@ class SQLLeaseStore(BaseLeaseStore):
                     return self.release(lease, outcome=outcome, result=result)
                 finally:
                     meanwhile()
-        self._renew_ttl(lease, None)
-        self._outcome_args(lease, outcome)
+        self._release_checks(lease, outcome)
         params = {"r": lease.resource, "t": lease.owner.token, "f": lease.fence}
 
         params["grace"] = max(1, round(self.handoff_grace * 1e6))
