@@ -717,6 +717,14 @@ def lost(
     )
 
 
+def _positive_int(value: object, name: str) -> int:
+    """``value`` when it is an int >= 1 (not a bool: the stores send it as it is, and the Redis
+    store keeps it packed with its script's keys, where ``True == 1`` would reuse a head)."""
+    if type(value) is not int or value < 1:
+        raise LeaseConfigError(f"{name} must be an int >= 1, got {show_value(value)}")
+    return value
+
+
 class BaseLeaseStore:
     """Argument checks and bookkeeping shared by the stores (not part of the protocol)."""
 
@@ -729,15 +737,31 @@ class BaseLeaseStore:
         self.max_ttl = validate_ttl(max_ttl, 365 * 86400.0, name="max_ttl")
         #: Seconds identity, ledger and checkpoint records are kept after their last write.
         self.retention = validate_ttl(retention, 3650 * 86400.0, name="retention")
-        #: Most waiters a resource's wait list holds.
         self.wait_cap = DEFAULT_WAIT_CAP
-        #: Most bytes (UTF-8) of wake payloads a resource's wait list holds.
         self.wait_bytes_cap = DEFAULT_WAIT_BYTES_CAP
         #: Seconds the free resource is held for a woken head waiter (see invariant 13).
         self.handoff_grace = DEFAULT_HANDOFF_GRACE
         #: Seconds a claim's ``since=`` may lie ahead of the store's clock and still place it as
         #: it is (a publisher's clock a little fast); a later one counts as this far ahead.
         self.since_skew = SINCE_SKEW
+
+    @property
+    def wait_cap(self) -> int:
+        """Most waiters a resource's wait list holds (an int >= 1)."""
+        return self._wait_cap
+
+    @wait_cap.setter
+    def wait_cap(self, value: int) -> None:
+        self._wait_cap = _positive_int(value, "wait_cap")
+
+    @property
+    def wait_bytes_cap(self) -> int:
+        """Most bytes (UTF-8) of wake payloads a resource's wait list holds (an int >= 1)."""
+        return self._wait_bytes_cap
+
+    @wait_bytes_cap.setter
+    def wait_bytes_cap(self, value: int) -> None:
+        self._wait_bytes_cap = _positive_int(value, "wait_bytes_cap")
 
     #: Whether ``acquire(..., early_wake=True)`` sets ``Lease.next_wake`` (invariant 15).
     supports_early_wake = False
@@ -808,8 +832,14 @@ class BaseLeaseStore:
                 type(ttl) is float
                 and 0.0 < ttl <= self.max_ttl
                 and ttl < _INF
+                and type(lease.resource) is str
                 and (
-                    outcome is None or (outcome in IDENTITY_OUTCOMES and lease.identity is not None)
+                    outcome is None
+                    or (
+                        type(outcome) is str
+                        and outcome in IDENTITY_OUTCOMES
+                        and lease.identity is not None
+                    )
                 )
             ):
                 return

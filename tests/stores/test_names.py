@@ -20,6 +20,7 @@ Set ``CELERY_LEASE_FUZZ_SEED`` to replay a run; the seed is printed.
 
 from __future__ import annotations
 
+import decimal
 import os
 import random
 import re
@@ -619,3 +620,44 @@ class TestOnePassChecks:
         lease.ttl = float("nan")  # (a ttl no claim gives: refused as before)
         with pytest.raises(LeaseConfigError):
             store._release_checks(lease, None)
+
+    def test_a_release_with_an_odd_resource_or_outcome_is_refused_as_check_by_check(self):
+        """A review's reproduction: a Lease whose resource was changed to a non-string, or an
+        outcome object equal to every string, passed the one-pass check (memory released it;
+        PostgreSQL sent it and answered "outcome unknown"); the checks one by one refuse both
+        before any I/O. Now the one pass takes only what they take."""
+
+        class EqualsAll:
+            def __eq__(self, other: object) -> bool:
+                return True
+
+            __hash__ = object.__hash__
+
+        store = MemoryLeaseStore()
+        lease = store.acquire("r-odd", self.OWNER, 30, identity="i-1")
+        for resource in (None, 123, b"r-odd"):
+            lease.resource = resource  # type: ignore[assignment]
+            with pytest.raises((LeaseConfigError, TypeError, AttributeError)):
+                store._renew_ttl(lease, None)  # (the checks one by one)
+            with pytest.raises((LeaseConfigError, TypeError, AttributeError)):
+                store._release_checks(lease, None)
+        lease.resource = "r-odd"
+        with pytest.raises((LeaseConfigError, TypeError)):
+            store._release_checks(lease, EqualsAll())  # type: ignore[arg-type]
+        assert store.get("r-odd") is not None  # nothing was released
+        assert store.release(lease, outcome="done")
+
+
+class TestWaitCaps:
+    """``wait_cap`` and ``wait_bytes_cap`` are ints >= 1. A review's reproduction: the Redis
+    store keeps its claim's fixed arguments packed with the keys, and ``wait_cap = True`` found
+    the head packed for 1 (``True == 1``): it claimed where a fresh store raised TypeError."""
+
+    @pytest.mark.parametrize("bad", [True, 0, -1, 1.0, "2", None, decimal.Decimal(1)])
+    @pytest.mark.parametrize("name", ["wait_cap", "wait_bytes_cap"])
+    def test_a_bad_cap_is_refused_naming_it(self, name, bad):
+        store = MemoryLeaseStore()
+        with pytest.raises(LeaseConfigError, match=name):
+            setattr(store, name, bad)
+        setattr(store, name, 3)
+        assert getattr(store, name) == 3
