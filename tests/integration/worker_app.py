@@ -947,6 +947,13 @@ if env.get("CL_WAIT_ATTEMPT") == "off":
     from celery_lease.stores import base as _base_for_attempt
 
     _base_for_attempt.BaseLeaseStore._attempt_args = staticmethod(lambda attempt: None)  # type: ignore[method-assign]
+    # (and the one-pass check of the common case, which does not call _attempt_args)
+    _claim_checks = _base_for_attempt.BaseLeaseStore._claim_checks
+
+    def _claim_checks_without_attempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return (*_claim_checks(self, *args, **kwargs)[:4], None)
+
+    _base_for_attempt.BaseLeaseStore._claim_checks = _claim_checks_without_attempt  # type: ignore[method-assign]
 
 
 if env.get("CL_BACKSTOP") == "off":

@@ -20,6 +20,7 @@ read and write are split by a barrier, which forces every contender to see the r
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -45,6 +46,7 @@ LONG = 30.0
 EXPIRE_NOW = 0.001  # the renewal ttl a "crashing" winner leaves its lease with
 BARRIER_TIMEOUT = 60.0  # a hung contender breaks the barriers instead of hanging the suite
 RUN_TIMEOUT = 180.0
+STACK_AFTER = 150.0  # a child still running then writes its stacks (before RUN_TIMEOUT)
 
 # Python 3.12+ warns when forking a process that has threads (other tests may leave daemon
 # threads behind). The children here only build their own store and use the barriers.
@@ -261,17 +263,25 @@ def run_in_processes(build: Callable[[], Any], plan: Round, n: int, workdir: Pat
     procs = [
         ctx.Process(target=_child, args=(i, build, plan, paths[i]), daemon=True) for i in range(n)
     ]
+    threads_at_fork = sorted(t.name for t in threading.enumerate())
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + RUN_TIMEOUT
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    stuck = [proc.pid for proc in procs if proc.is_alive()]
+    stuck = [(i, proc.pid) for i, proc in enumerate(procs) if proc.is_alive()]
     for proc in procs:
         if proc.is_alive():
             proc.kill()  # only the processes this test forked, by their own handle
             proc.join(5)
-    assert not stuck, f"contender processes still running after {RUN_TIMEOUT}s: {stuck}"
+    # Seen once in CI (sqlite, 2 of 32 forked children): they never got past building their
+    # store, as if a lock a thread of this process held at the fork was inherited held. Their
+    # Python stacks and this process's threads at the fork say where, should it come back.
+    assert not stuck, (
+        f"contender processes still running after {RUN_TIMEOUT}s: {[pid for _, pid in stuck]};"
+        f" threads of the test process at the fork: {threads_at_fork}; their stacks:\n"
+        + "\n".join(_stack_of(paths[i]) for i, _ in stuck)
+    )
     history: list[Attempt] = []
     for path in paths:
         if path.exists():
@@ -279,7 +289,15 @@ def run_in_processes(build: Callable[[], Any], plan: Round, n: int, workdir: Pat
     return history
 
 
+def _stack_of(path: Path) -> str:
+    stack = path.with_suffix(".stack")
+    return stack.read_text() if stack.exists() and stack.stat().st_size else f"({stack}: none)"
+
+
 def _child(index: int, build: Callable[[], Any], plan: Round, path: Path) -> None:
+    # (every thread's stack into <path>.stack if still running well past the barriers' limit)
+    stack = path.with_suffix(".stack").open("w")
+    faulthandler.dump_traceback_later(STACK_AFTER, file=stack)
     with path.open("w") as out:
 
         def sink(attempt: Attempt) -> None:
