@@ -540,14 +540,7 @@ class TestRedisEvalshaHead:
                 assert [k.decode() for k in got_keys] == keys
                 assert got_args == [a if isinstance(a, bytes) else str(a).encode() for a in args]
             # The bytes sent: what packing the whole command gives.
-            sent: list[bytes] = []
-            conn = connections.free.get()
-            original = conn.send_packed_command
-            conn.send_packed_command = lambda packed, **kw: (
-                sent.append(b"".join(packed)),
-                original(packed, **kw),
-            )
-            connections.free.put(conn)
+            sent = _record_sent(connections)
             script(keys=keys, args=args)
             assert sent == [pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))]
         finally:
@@ -566,14 +559,7 @@ class TestRedisEvalshaHead:
             script = Script(connections, self.ECHO)
             script.load()
             keys = ["k:{a}1", "k:{a}2"]
-            sent: list[bytes] = []
-            conn = connections.free.get()
-            original = conn.send_packed_command
-            conn.send_packed_command = lambda packed, **kw: (
-                sent.append(b"".join(packed)),
-                original(packed, **kw),
-            )
-            connections.free.put(conn)
+            sent = _record_sent(connections)
             for fixed in ((30_000_000, "", "\u00e9"), (30_000_000, "1", "\u00e9"), ("k:{a}2",)):
                 for _ in range(2):  # the second call reuses the kept head
                     got_keys, got_args = script(keys=keys, args=["r", 7], fixed=fixed)
@@ -642,3 +628,16 @@ class TestRedisHeadedScripts:
             assert calls[3][1][3:6] == ["i-1", "done", "7"]
         finally:
             store.close()
+
+
+def _record_sent(connections: Any) -> list[bytes]:
+    """The bytes each command sent on ``connections``' one free connection, as sent."""
+    sent: list[bytes] = []
+    conn = connections.free.get()
+    original = conn.send_packed_command
+    conn.send_packed_command = lambda packed, **kw: (
+        sent.append(b"".join(packed)),
+        original(packed, **kw),
+    )
+    connections.free.put(conn)
+    return sent

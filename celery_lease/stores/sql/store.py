@@ -302,18 +302,17 @@ class SQLLeaseStore(BaseLeaseStore):
         claim = self._claim if identity is None else self._claim_identity
         if not self._functions_known:
             self._use_functions(create=False)
+        lock_from = CLAIM_TRIES  # (the try from which the claim takes the row first)
+        if self.dialect == "postgresql" and LOCK_AFTER_STALE is not None:
+            lock_from = LOCK_AFTER_STALE
         for tries in range(CLAIM_TRIES):
             sent = monotonic()
-            if self.dialect == "postgresql" and LOCK_AFTER_STALE is not None:
-                locked = tries >= LOCK_AFTER_STALE
+            if tries < lock_from:
+                row = self._run_waits(f"acquire of {resource!r}", lambda c: claim(c, params))
             else:
-                locked = False
-            row = self._run_waits(
-                f"acquire of {resource!r}",
-                (lambda c: self._locked_claim(c, claim, params))
-                if locked
-                else (lambda c: claim(c, params)),
-            )
+                row = self._run_waits(
+                    f"acquire of {resource!r}", lambda c: self._locked_claim(c, claim, params)
+                )
             if row is None:  # a racing first claim is not visible to our snapshot yet: ask again
                 continue
             (claimed, marked, fence, acquired, expires, prev_label, prev_fence, h_token, h_label,
