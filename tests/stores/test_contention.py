@@ -256,9 +256,35 @@ def run_in_threads(build: Callable[[], Any], plan: Round, n: int) -> list[Attemp
     return history
 
 
+def _context() -> Any:
+    """Contenders forked from a forkserver, not from the test process: a fork of the test
+    process inherits the locks its other threads hold (a renewer or waker left by an earlier
+    test inside SQLite), and twice in CI children hung for good in sqlite3.connect."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # (children start with this module imported)
+    return ctx
+
+
+@dataclass(frozen=True)
+class ChildStore:
+    """Builds a contender's own store in its process (picklable, for the forkserver); with
+    ``gap``, the non-atomic claim of the negative controls."""
+
+    url: str
+    options: dict[str, Any]
+    gap: Any = None
+
+    def __call__(self) -> Any:
+        store = store_from_url(self.url, **self.options)
+        return store if self.gap is None else NonAtomicStore(store, self._wait_gap)
+
+    def _wait_gap(self) -> None:
+        self.gap.wait(BARRIER_TIMEOUT)
+
+
 def run_in_processes(build: Callable[[], Any], plan: Round, n: int, workdir: Path) -> list[Attempt]:
-    """Run ``n`` forked contenders; each builds its own store after the fork."""
-    ctx = multiprocessing.get_context("fork")
+    """Run ``n`` contenders in processes of their own; each builds its own store there."""
+    ctx = _context()
     paths = [workdir / f"contender-{i:02d}.jsonl" for i in range(n)]
     procs = [
         ctx.Process(target=_child, args=(i, build, plan, paths[i]), daemon=True) for i in range(n)
@@ -365,14 +391,9 @@ def run_contention(
         return run_in_threads(build, plan, n), shared, resource
     url, options = store_spec(kind, request, tmp_path)
     parent = store_from_url(url, **options)  # creates the tables before the children race
-    ctx = multiprocessing.get_context("fork")
+    ctx = _context()
     plan = Round(resource, rounds, handover, seed, ctx.Barrier(n), ctx.Barrier(n))
-    gap = ctx.Barrier(n)
-
-    def build_in_child() -> Any:
-        store = store_from_url(url, **options)
-        return NonAtomicStore(store, lambda: gap.wait(BARRIER_TIMEOUT)) if broken else store
-
+    build_in_child = ChildStore(url, options, ctx.Barrier(n) if broken else None)
     try:
         return run_in_processes(build_in_child, plan, n, tmp_path), parent, resource
     except BaseException:
