@@ -148,6 +148,13 @@ def _enter_within(events, n, k, since, bound):
     return enter["t"] - since
 
 
+#: W2 of the recycled-pool test below: the grace (2 s), the turn check's slack and, with the
+#: check kept in the exiting pool process, that process's exit and its replacement's start
+#: before W2 has a slot (2.1-2.2 s on an idle box; over 5 s seen on a loaded CI box). A pass
+#: (16-24 s after start) or the back-stop (ttl 60 s) would be far later.
+RECYCLED_BOUND = 9.0
+
+
 @pytest.mark.parametrize("exit_turns", ["handed", "kept", "off"])
 def test_a_dropped_head_passes_on_though_the_releasing_pool_process_exits(
     it_app, start_worker, store_env, events, coord, queue, exit_turns
@@ -178,8 +185,8 @@ def test_a_dropped_head_passes_on_though_the_releasing_pool_process_exits(
         woken = _woken_at(env, n, ended + grace + 1.5)
         assert not woken and not events.where(ev="enter", res=n, k=2), woken
         return
-    gap = _enter_within(events, n, 2, ended, BOUND)
-    assert gap is not None, f"W2 did not start within {BOUND}s of the holder's end"
+    gap = _enter_within(events, n, 2, ended, RECYCLED_BOUND)
+    assert gap is not None, f"W2 did not start within {RECYCLED_BOUND}s of the holder's end"
     w2_ended = events.wait(ev="exit", res=n, k=2, timeout=30)["t"]
     w3_gap = events.wait(ev="enter", res=n, k=3, timeout=30)["t"] - w2_ended
     # (how soon W3 follows, handed over or kept, is speed, not safety: printed, not asserted;
