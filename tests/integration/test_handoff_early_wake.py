@@ -44,9 +44,12 @@ def _hand_over(
     kind,
     backlog=0,
     step=0.05,
+    raced=None,
 ):
     """H, then W1 (worker A, store behind the delaying proxy) hold; W (worker B) waits.
-    Returns (W1's exit time, W's enter events, W's result, worker B)."""
+    Returns (W1's exit time, W's enter events, W's result, worker B). Given ``raced`` (a
+    check of worker B and the resource's ``n``: did the race the test needs happen?), the
+    hand-over is tried again on a new resource, up to three times, until it did."""
     from tests.tooling.proxy import TcpProxy
 
     env = {**store_env(kind), **ENV}
@@ -60,9 +63,19 @@ def _hand_over(
         # both workers warm (connections open, scripts loaded)
         assert it_app.fifo_hold.apply_async((n + "a", 9, 0.0), queue=qa).get(timeout=30) == 9
         assert it_app.fifo_hold.apply_async((n + "b", 9, 0.0), queue=qb).get(timeout=30) == 9
-        exited, waiter = _queue_and_release(it_app, events, coord, proxy, n, qa, qb, backlog, step)
-        result = waiter.get(timeout=60)
-        proxy.set_latency(0)
+        for tries_left in (2, 1, 0):
+            exited, waiter = _queue_and_release(
+                it_app, events, coord, proxy, n, qa, qb, backlog, step
+            )
+            result = waiter.get(timeout=60)
+            proxy.set_latency(0)
+            if raced is None or raced(worker_b, n) or not tries_left:
+                break
+            # (a loaded box delivered W's early copy after the slowed release had landed:
+            # nothing raced. Once this try's backlog is through, again on a new resource.)
+            print("the early copy came after the release landed: trying again")
+            wait_for(lambda n=n: len(events.where(ev="enter", res=n)) >= backlog + 3, 60, "it")
+            n = unique("ew")
     return exited, events.where(ev="enter", res=n, k=2), result, worker_b
 
 
@@ -137,6 +150,15 @@ BACKLOG = 60  # plain messages on worker B's 2 threads
 BACKLOG_STEP = {"wake_queue": 0.15, "negative_control": 0.05}
 
 
+def _sent_again(worker, n):
+    """Whether ``worker`` refused an early copy of W (resource ``fifo-<n>``) and sent it
+    again: the race the backlog test sets up happened."""
+    return any(
+        f"resource=fifo-{n} " in line and "early wake: sent again" in line
+        for line in worker.log().splitlines()
+    )
+
+
 @pytest.mark.parametrize("kind", STORES)
 @pytest.mark.parametrize("route", ["wake_queue", "negative_control"])
 def test_an_early_copys_retry_does_not_wait_behind_its_queues_backlog(
@@ -160,11 +182,12 @@ def test_an_early_copys_retry_does_not_wait_behind_its_queues_backlog(
         kind,
         BACKLOG,
         BACKLOG_STEP[route],
+        _sent_again,
     )
     assert result == 2
     assert len(entered) == 1, f"W's body ran {len(entered)} times"
-    assert "early wake: sent again" in worker_b.log()  # the race this test sets up happened
     n = entered[0]["res"]
+    assert _sent_again(worker_b, n), "W's early copy was never refused before the release"
     wait_for(lambda: len(events.where(ev="enter", res=n)) >= BACKLOG + 3, 60, "the backlog")
     order = [e["k"] for e in events.all() if e.get("res") == n and e["ev"] == "enter"]
     after = [k for k in order[order.index(2) + 1 :] if k >= 100]
