@@ -39,7 +39,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("rules", {"_names", "_codec", "_events", "_outage"}),
     ("settings", {"_settings", "_template", "_eventlog"}),
     ("core", {"_ledger", "_lease", "_renewer"}),
-    ("store contract", {"stores.base"}),
+    (
+        "store contract",
+        {"stores.base", "stores.protocol", "stores.records", "stores._checks"},
+    ),
     (
         "store backends",
         {
