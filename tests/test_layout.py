@@ -49,7 +49,12 @@ LAYERS: list[tuple[str, set[str]]] = [
             "stores.memory",
             "stores.redis",
             "stores.redis.connection",
+            "stores.redis.core",
+            "stores.redis.gates",
+            "stores.redis.ledger",
             "stores.redis.store",
+            "stores.redis.upkeep",
+            "stores.redis.waits",
             "stores.sql",
             "stores.sql.connection",
             "stores.sql.rows",
@@ -229,7 +234,7 @@ DRIVER_CATCHES_ALLOWED = {
     # create them (LeaseConfigError naming init-schema): decided on the driver error itself.
     "stores.sql.schema: SQLAlchemyError",
     # CONFIG refused (managed Redis) is a health-check warning, not a store failure.
-    "stores.redis.store: redis.ResponseError",
+    "stores.redis.core: redis.ResponseError",
 }
 
 
