@@ -47,6 +47,12 @@ LAYERS: list[tuple[str, set[str]]] = [
         "store backends",
         {
             "stores.memory",
+            "stores.memory.core",
+            "stores.memory.gates",
+            "stores.memory.ledger",
+            "stores.memory.store",
+            "stores.memory.upkeep",
+            "stores.memory.waits",
             "stores.redis",
             "stores.redis.connection",
             "stores.redis.core",
