@@ -1,7 +1,7 @@
 """Sending wakes, and passing the turn on where a woken waiter never claims.
 
 A wake is a waiting task's message sent again: its turn has come (invariants 12-16 of
-``stores/base.py``). Everything that wakes a waiter sends it through :func:`send_wake`: the
+``stores/protocol.py``). Everything that wakes a waiter sends it through :func:`send_wake`: the
 releasing task, a refused claim that found the head never woken, the sweeper, the CLI and
 ``celery_lease.release_lease`` / ``force_release``. Two more things make sure the turn goes on
 when the woken copy never claims (revoked, expired, dropped before its claim, stuck in a

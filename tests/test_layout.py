@@ -39,21 +39,40 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("rules", {"_names", "_codec", "_events", "_outage"}),
     ("settings", {"_settings", "_template", "_eventlog"}),
     ("core", {"_ledger", "_lease", "_renewer"}),
-    ("store contract", {"stores.base"}),
+    (
+        "store contract",
+        {"stores.base", "stores.protocol", "stores.records", "stores._checks"},
+    ),
     (
         "store backends",
         {
             "stores.memory",
+            "stores.memory.core",
+            "stores.memory.gates",
+            "stores.memory.ledger",
+            "stores.memory.store",
+            "stores.memory.upkeep",
+            "stores.memory.waits",
             "stores.redis",
             "stores.redis.connection",
+            "stores.redis.core",
+            "stores.redis.gates",
+            "stores.redis.ledger",
             "stores.redis.store",
+            "stores.redis.upkeep",
+            "stores.redis.waits",
             "stores.sql",
             "stores.sql.connection",
             "stores.sql.rows",
             "stores.sql.schema",
             "stores.sql.ledger",
             "stores.sql.waits",
+            "stores.sql.core",
+            "stores.sql.gates",
+            "stores.sql.identity",
             "stores.sql.store",
+            "stores.sql.upkeep",
+            "stores.sql.wait_lists",
         },
     ),
     ("store factory", {"stores", "stores.urls"}),
@@ -226,7 +245,7 @@ DRIVER_CATCHES_ALLOWED = {
     # create them (LeaseConfigError naming init-schema): decided on the driver error itself.
     "stores.sql.schema: SQLAlchemyError",
     # CONFIG refused (managed Redis) is a health-check warning, not a store failure.
-    "stores.redis.store: redis.ResponseError",
+    "stores.redis.core: redis.ResponseError",
 }
 
 

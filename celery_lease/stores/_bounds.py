@@ -24,7 +24,7 @@ POLL_HOLD = 2
 POLL_PLACES = 4
 
 #: How many bytes a re-armed waiter's new wake payload may outgrow the one it replaces
-#: whatever the list's bytes (invariant 12 of stores/base.py): its waits count gains a digit
+#: whatever the list's bytes (invariant 12 of stores/protocol.py): its waits count gains a digit
 #: now and then, its woken copy's message carries the lineage header its first listing did
 #: not. A kept old payload would count fewer waits than the waiter's copies do (its woken copy
 #: would then skip the result-backend read of its last allowed wait), so such growth may pass

@@ -1,6 +1,6 @@
 """The LeaseStore contract, asserted against every store (memory, Redis, SQLite, PostgreSQL).
 
-Each test states one invariant from ``celery_lease.stores.base``. Expiry is driven by short ttls
+Each test states one invariant from ``celery_lease.stores.protocol``. Expiry is driven by short ttls
 and polled with a deadline (the real stores' clocks are their servers'), never by sleeping on
 hope.
 """

@@ -1,4 +1,4 @@
-"""Identity, ledger and checkpoint contract over every store (invariants 6-10 of base.py)."""
+"""Identity, ledger and checkpoint contract over every store (invariants 6-10 of protocol.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Wait list and hand-off contract (invariants 12-14 of base.py) over every store."""
+"""Wait list and hand-off contract (invariants 12-14 of protocol.py) over every store."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Publish order under a skewed publisher clock, and which resources ``wake_due`` counts against
-its limit (invariants 12 and 16 of base.py), over every store.
+its limit (invariants 12 and 16 of protocol.py), over every store.
 
 Every store: memory, Redis, Redis Cluster, SQLite, and PostgreSQL with and without its
 wait-list functions (the one-statement forms). The stores read their own clock; the tests stamp

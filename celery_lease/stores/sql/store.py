@@ -1,75 +1,40 @@
-"""The SQL lease store: PostgreSQL (psycopg 3) and SQLite, timed by the database clock.
+"""The SQL lease store: claims and releases (the per-task path), one statement each.
 
-SQLAlchemy 2 Core defines the tables, creates them idempotently, quotes the configurable table
-names and owns the connection pool. The hot path sends hand-written statements (built once per
-store with the dialect's quoting) straight through the pooled DBAPI connection: a claim or a
-release is one statement in autocommit mode. Going through SQLAlchemy's execution layer with a
+:class:`SQLLeaseStore` is made of one class per job: :mod:`.core` (set-up: engine, tables,
+statements, the wait-list functions, health), :mod:`.upkeep` (renewal, reads, listing,
+eviction, sweeping), :mod:`.identity` (identity records, effects, checkpoints: the store's side
+of :mod:`.ledger`), :mod:`.gates` (fence gates and once-marks), :mod:`.wait_lists` (wait-list
+reads and the wakes ``wake_due`` passes on). Claims and releases stay here, on the class
+itself, with the two constants they read (``CLAIM_TRIES``, ``LOCK_AFTER_STALE``).
+
+The hot path sends hand-written statements (built once per store with the dialect's quoting)
+straight through the pooled DBAPI connection: a claim or a release is one statement in
+autocommit mode. Going through SQLAlchemy's execution layer with a
 transaction per call cost more than half the throughput of raw psycopg in our benchmark.
-
-Time is the database's: ``clock_timestamp()`` on PostgreSQL (``now()`` would be the transaction
-start), ``julianday('now')`` on SQLite. Times are stored as microseconds since the epoch so both
-dialects share one schema. On SQLite every operation runs in a ``BEGIN IMMEDIATE`` transaction
-(WAL journal), which takes the write lock up front instead of failing on lock upgrade.
 """
 
 from __future__ import annotations
 
-import builtins
-import json
-import logging
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
-
-from sqlalchemy.engine import Engine
+from collections.abc import Callable
+from typing import Any
 
 from ..._codec import decode, from_micros
-from ..._errors import (
-    IdentityDoneError,
-    LeaseBusyError,
-    LeaseConfigError,
-    LeaseLostError,
-    LeaseStoreError,
-)
-from ..._lease import Lease, LeaseInfo, Owner
-from ..._names import mask_url, validate_fence, validate_identifier, validate_resource
+from ..._errors import IdentityDoneError, LeaseBusyError
+from ..._lease import Lease, Owner
 from .._connections import Once
-from ..base import (
-    DEFAULT_MAX_TTL,
-    DEFAULT_RETENTION,
-    DEFAULT_WAKE_DUE_LIMIT,
-    MARK_IDENTITY,
-    RECENT_EFFECTS,
-    BaseLeaseStore,
-    DueWake,
-    IdentityInfo,
-    IdentityRecords,
-    LeasePage,
-    Waiter,
-    changed_hands,
-    decode_cursor,
-    encode_cursor,
-    lease_info,
-    log_force_release,
-    monotonic,
-    previous_owner,
-)
-from . import ledger, schema, waits
-from . import statements as stmts
+from ..base import monotonic, previous_owner
+from . import ledger, waits
 from . import wait_statements as wait_sql
-from .connection import Connections, create_engine, fetch, first_line, one, sqlstate
-from .ledger_statements import LedgerStatements
+from .connection import fetch, one
+from .gates import SQLGates
+from .identity import SQLIdentity
 from .rows import NO_ROW, ClaimRow, recovered_from, why_lost
 from .schema import SCHEMA_VERSION, TABLE_RIGHTS
+from .upkeep import SQLUpkeep
+from .wait_lists import SQLWaitLists
 
 __all__ = ["SCHEMA_VERSION", "TABLE_RIGHTS", "SQLLeaseStore"]
 
-# The backend's logger name from before the stores became packages, so that logging set up for
-# it keeps seeing this store's lines (the force-release warning above all).
-log = logging.getLogger("celery_lease.stores.sql")
-T = TypeVar("T")
-
-_SQLITE_MIN = (3, 35, 0)  # RETURNING
 #: How many times a claim asks again when its snapshot went stale (PostgreSQL: it waited for the
 #: lease row while a claim or release committed on it, see fbfe5cf). Each stale answer means a
 #: hand-over committed meanwhile, so a claim racing a fast hand-off may need several; giving up
@@ -86,7 +51,7 @@ CLAIM_TRIES = 50
 LOCK_AFTER_STALE: int | None = 2
 
 
-class SQLLeaseStore(BaseLeaseStore):
+class SQLLeaseStore(SQLWaitLists, SQLIdentity, SQLGates, SQLUpkeep):
     """Leases in a SQL table (PostgreSQL through psycopg 3, or SQLite).
 
     Args:
@@ -103,164 +68,7 @@ class SQLLeaseStore(BaseLeaseStore):
         engine_options: extra keyword arguments for ``sqlalchemy.create_engine``.
     """
 
-    def __init__(
-        self,
-        engine: Engine | None = None,
-        *,
-        url: str | None = None,
-        table_prefix: str = "celery_lease_",
-        create_tables: bool = True,
-        max_ttl: float = DEFAULT_MAX_TTL,
-        retention: float = DEFAULT_RETENTION,
-        statement_timeout: float = 5.0,
-        engine_options: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(max_ttl=max_ttl, retention=retention)
-        validate_identifier(table_prefix, "table_prefix")
-        if (engine is None) == (url is None):
-            raise LeaseConfigError("SQLLeaseStore needs exactly one of engine= or url=")
-        self._owns_engine = engine is None
-        if engine is None:
-            assert url is not None
-            engine = create_engine(url, statement_timeout, engine_options or {})
-        self.engine = engine
-        self.url = mask_url(engine.url.render_as_string(hide_password=True))
-        self.dialect = engine.dialect.name
-        #: PostgreSQL: claims name the next waiter and releases run ``meanwhile`` while their
-        #: statement is on its way (invariant 15). SQLite's release is not sent anywhere: a
-        #: wake sent before it would only find the resource still held.
-        self.supports_early_wake = self.dialect == "postgresql"
-        if self.dialect not in ("postgresql", "sqlite"):
-            raise LeaseConfigError(
-                f"SQLLeaseStore supports PostgreSQL and SQLite, not {self.dialect!r} ({self.url})"
-            )
-        if self.dialect == "postgresql" and engine.dialect.driver != "psycopg":
-            raise LeaseConfigError(
-                f"SQLLeaseStore needs the psycopg 3 driver (postgresql+psycopg://), got "
-                f"{engine.dialect.driver!r} in {self.url}"
-            )
-        if self.dialect == "sqlite":
-            version = engine.dialect.loaded_dbapi.sqlite_version_info
-            if version < _SQLITE_MIN:
-                raise LeaseConfigError(
-                    f"SQLite {version} is too old for SQLLeaseStore: 3.35 or newer is needed "
-                    "(for RETURNING); upgrade Python or use PostgreSQL/Redis"
-                )
-        self._connections = Connections(engine, self.url)
-        self.metadata, self.tables = schema.tables(table_prefix)
-        self.leases_table, self.meta_table = self.tables["leases"], self.tables["meta"]
-        quote = engine.dialect.identifier_preparer.quote
-        names = {kind: quote(table.name) for kind, table in self.tables.items()}
-        self.sql = stmts.Statements(
-            self.dialect, names["leases"], self._paramstyle(), names["gate"], table_prefix, quote
-        )
-        self.ledger_sql = LedgerStatements(
-            self.dialect,
-            self.sql.now,
-            self._paramstyle(),
-            names,
-            self.sql.claim_upsert,
-            getattr(self.sql, "functions", None),
-        )
-        self._connections.grant_advice = lambda exc: schema.grant_advice(
-            quote, self.tables, engine.url.username, exc
-        )
-        self._connections.schema_problem = lambda: schema.schema_problem(
-            self._connections, self.tables
-        )
-        # PostgreSQL: whether the wait-list functions are there is found out by create_tables,
-        # else before the first claim or release (a store makes no I/O when it is built).
-        self._functions_known = self.dialect != "postgresql"
-        self._fallback_lock = threading.Lock()
-        if create_tables:
-            try:
-                self.create_tables()
-            except BaseException:
-                self.close()  # (the engine this store made would keep its pool otherwise)
-                raise
-
-    def _paramstyle(self) -> str:
-        return "pyformat" if self.dialect == "postgresql" else "named"
-
-    def create_tables(self) -> None:
-        """Create the tables and the schema version row if missing; check the version.
-
-        On PostgreSQL also create the wait-list functions of this version when missing and this
-        role may (see :mod:`.wait_statements`); without them claims and releases still work,
-        each carrying the whole wait-list logic (more server CPU per call).
-        """
-        schema.create_tables(self._connections, self.metadata, self.tables)
-        self._use_functions(create=True)
-
-    def _use_functions(self, *, create: bool) -> None:
-        if self.dialect != "postgresql":
-            return
-        available = schema.wait_functions(
-            self._connections,
-            self.sql.functions,
-            self.leases_table.name,
-            create=create,
-            table=self._quote(self.leases_table.name),
-        )
-        self.sql.use_functions(available)
-        self.ledger_sql.use_functions(available)
-        self._functions_known = True
-
-    def _run_waits(self, what: str, work: Callable[[Any], T]) -> T:
-        """Run a claim or release that may call the wait-list functions.
-
-        Functions dropped, or their EXECUTE revoked, after this store chose them fail the one
-        statement (autocommit: nothing was written): switch to the one-statement forms, warn
-        once, and run the operation again.
-        """
-        try:
-            return self._connections.run(what, work)
-        except LeaseStoreError as exc:
-            if not self._functions_failed(exc.__cause__):
-                raise
-        return self._connections.run(what, work)
-
-    def _functions_failed(self, exc: BaseException | None) -> bool:
-        if self.dialect != "postgresql" or exc is None:
-            return False
-        if sqlstate(exc) not in ("42883", "42501"):  # undefined_function, insufficient_privilege
-            return False
-        orig = getattr(exc, "orig", exc)
-        functions = self.sql.functions
-        names = [name.strip('"') for name in (functions.settle, functions.hand_off)]
-        if not any(name in str(orig) for name in names):
-            return False
-        with self._fallback_lock:
-            if self.sql.acquire_raw is self.sql.fast_raw[0]:
-                self.sql.use_functions(False)
-                self.ledger_sql.use_functions(False)
-                log.warning(
-                    "PostgreSQL lease store %s: the wait-list functions %s and %s failed (%s): "
-                    "using the one-statement forms from now on (more server CPU per call); as "
-                    "the tables' owner run `celery -A proj lease init-schema --url OWNER_URL` "
-                    "to create them again",
-                    self.url,
-                    functions.settle,
-                    functions.hand_off,
-                    first_line(exc),
-                )
-        return True
-
-    def grant_statements(self, role: str) -> builtins.list[str]:
-        """The ``GRANT`` statements that give ``role`` what the store needs, and no more.
-
-        Run them as the tables' owner after :meth:`create_tables` (``celery -A proj lease
-        init-schema --grant ROLE`` does both); the role then needs no right to create anything.
-        """
-        return schema.grant_statements(self._quote, self.tables, role)
-
-    def _grant(self, kind: str, role: str) -> str:
-        return schema.grant_statements(self._quote, self.tables, role, kind)[0]
-
-    def _quote(self, name: str) -> str:
-        return str(self.engine.dialect.identifier_preparer.quote(name))
-
-    # -- operations ------------------------------------------------------------------------
+    # -- claims and releases --------------------------------------------------------------
     def acquire(
         self,
         resource: str,
@@ -450,51 +258,6 @@ class SQLLeaseStore(BaseLeaseStore):
             now=acquired,
         )
 
-    def _renew_batch(
-        self, leases: Sequence[Lease], ttl: float | None = None
-    ) -> list[LeaseLostError | None]:
-        if not leases:
-            return []
-        ttls = [self._renew_ttl(lease, ttl) for lease in leases]
-        sent = monotonic()
-        rows = self._connections.run(
-            "renewal", lambda c: self._renew_rows(c, leases, ttls), self._connections.renewer_free
-        )
-        results: list[LeaseLostError | None] = []
-        for lease, lease_ttl, row in zip(leases, ttls, rows, strict=True):
-            new_expires, *state = row
-            if new_expires is not None:
-                lease.renewed(sent, from_micros(new_expires), lease_ttl)
-                results.append(None)
-            else:
-                results.append(why_lost(lease, *state))
-        return results
-
-    def _renew_rows(
-        self, cursor: Any, leases: Sequence[Lease], ttls: Sequence[float]
-    ) -> list[tuple[Any, ...]]:
-        requests = [
-            (lease.resource, lease.owner.token, lease.fence, max(1, round(t * 1e6)))
-            for lease, t in zip(leases, ttls, strict=True)
-        ]
-        if self.dialect == "postgresql":
-            flat = [v for i, r in enumerate(requests) for v in (i, *r)]
-            cursor.execute(self.sql.renew_many(len(requests)), flat)
-            by_index = {row[0]: tuple(row[1:]) for row in cursor.fetchall()}
-            return [by_index[i] for i in range(len(requests))]
-        rows: list[tuple[Any, ...]] = []
-        with self._connections.immediate(cursor):
-            for resource, token, fence, ttl_us in requests:
-                params = {"r": resource, "t": token, "f": fence, "ttl": ttl_us}
-                cursor.execute(self.sql.renew_one, params)
-                renewed = cursor.fetchone()
-                if renewed is not None:
-                    rows.append((renewed[0], *NO_ROW))
-                    continue
-                cursor.execute(self.sql.state, params)
-                rows.append((None, *(cursor.fetchone() or NO_ROW)))
-        return rows
-
     def verify(self, lease: Lease) -> None:
         self._renew_ttl(lease, None)
         params = {"r": lease.resource}
@@ -567,275 +330,3 @@ class SQLLeaseStore(BaseLeaseStore):
         return ledger.claim_identity(
             self._connections, self.sql, self.ledger_sql, cursor, params, self._retention_us
         )
-
-    # -- identities, the ledger, checkpoints (see .ledger) ---------------------------------
-    def effect_begin(self, lease: Lease, key: str) -> tuple[str, int | None, str | None]:
-        identity, key = self._ledger_args(lease, key)
-        return ledger.effect_begin(
-            self._connections, self.ledger_sql, lease, identity, key, self._retention_us
-        )
-
-    def effect_done(self, lease: Lease, key: str, receipt: str) -> bool:
-        identity, key = self._ledger_args(lease, key)
-        return ledger.effect_done(
-            self._connections, self.ledger_sql, lease, identity, key, receipt, self._retention_us
-        )
-
-    def checkpoint(self, lease: Lease, data: str) -> None:
-        identity, _ = self._ledger_args(lease, "checkpoint")
-        ledger.checkpoint(
-            self._connections, self.ledger_sql, lease, identity, data, self._retention_us
-        )
-
-    def identity_get(self, resource: str, identity: str) -> IdentityInfo | None:
-        validate_resource(resource)
-        ident = self._identity_args(identity) or ""
-        return ledger.identity_get(self._connections, self.ledger_sql, resource, ident)
-
-    def identity_records(
-        self, resource: str, identity: str, *, limit: int = RECENT_EFFECTS
-    ) -> IdentityRecords:
-        resource, ident, limit = self._records_args(resource, identity, limit)
-        return ledger.identity_records(self._connections, self.ledger_sql, resource, ident, limit)
-
-    def sweep_expired(self, *, limit: int = 1000) -> int:
-        statements = [*self.ledger_sql.sweep, self.sql.sweep_waits]
-        return ledger.sweep(self._connections, statements, self._sweep_args(limit))
-
-    def waiters(self, resource: str) -> builtins.list[Waiter]:
-        validate_resource(resource)
-        params = {"r": resource}
-        row = self._connections.run(
-            f"wait list read of {resource!r}", lambda c: fetch(c, self.sql.waiters, params)
-        )
-        if row is None:
-            return []
-        raw, now = row
-        return [
-            Waiter(place, w[0], from_micros(w[1]), from_micros(w[2]), int(w[3]) > now)
-            for place, w in enumerate(waits.Waits.read(raw, 0, now, 0).places, 1)
-        ]
-
-    def wake_due(
-        self, *, resources: Sequence[str] | None = None, limit: int = DEFAULT_WAKE_DUE_LIMIT
-    ) -> builtins.list[DueWake]:
-        names, limit = self._wake_due_args(resources, limit)
-        if names is None:
-            query = {"n": limit}
-
-            def candidates(cursor: Any) -> builtins.list[str]:
-                cursor.execute(self.sql.due_candidates, query)
-                return [row[0] for row in cursor.fetchall()]
-
-            names = self._connections.run("wake_due scan", candidates)
-        out: builtins.list[DueWake] = []
-        for resource in names:
-            out += self._wake_due_one(resource)
-        return out
-
-    def _wake_due_one(self, resource: str) -> builtins.list[DueWake]:
-        """wake_due of one resource: decided in Python on its row (see waits.due), written
-        back in the same BEGIN IMMEDIATE (SQLite) or only if the row is as it was read
-        (PostgreSQL: a claim, release or another pass since then writes nothing here, and
-        the next pass looks again)."""
-        grace = max(1, round(self.handoff_grace * 1e6))
-        params = {"r": resource}
-
-        def work(cursor: Any) -> builtins.list[tuple[str, bool]]:
-            with self._connections.immediate(cursor):
-                cursor.execute(self.sql.due_read, params)
-                row = cursor.fetchone()
-                if row is None:
-                    return []
-                raw, slow, token, expires, fence, now = row
-                if token is not None and expires > now:
-                    return []  # held: its holder's release wakes the next waiter
-                # (as read: waits.due changes the places it is given)
-                old = raw if isinstance(raw, str) else json.dumps(raw)
-                listed, sent = waits.due(raw, slow, now, grace)
-                if not sent:
-                    return []
-                columns = waits.stored(listed)
-                if self.dialect != "postgresql":
-                    cursor.execute(self.sql.waits_write, {"r": resource, **columns})
-                    return sent
-                cursor.execute(
-                    self.sql.due_write,
-                    {
-                        "r": resource,
-                        "f": fence,
-                        "old": old,
-                        "oslow": slow,
-                        **columns,
-                    },
-                )
-                return sent if cursor.rowcount == 1 else []
-
-        sent = self._connections.run(f"wake_due of {resource!r}", work)
-        return [DueWake(resource, payload, again) for payload, again in sent]
-
-    def get(self, resource: str) -> LeaseInfo | None:
-        validate_resource(resource)
-        params = {"r": resource}
-        row = self._connections.run(
-            f"get of {resource!r}", lambda c: fetch(c, self.sql.get, params)
-        )
-        return None if row is None else lease_info(resource, *row)
-
-    def highest_fence(self, resource: str) -> int | None:
-        validate_resource(resource)
-        params = {"r": resource}
-        # (a released row keeps its fence: the state statement reads it, held or not)
-        row = self._connections.run(
-            f"fence read of {resource!r}", lambda c: fetch(c, self.sql.state, params)
-        )
-        return None if row is None else int(row[2])
-
-    def list(
-        self,
-        *,
-        prefix: str = "",
-        expired_only: bool = False,
-        limit: int = 100,
-        cursor: str | None = None,
-    ) -> LeasePage:
-        limit = self._list_args(prefix, limit)
-        after = decode_cursor(cursor)
-        query = {
-            # substr, not LIKE: LIKE treats _ as a wildcard and ignores case on SQLite.
-            "prefix": prefix,
-            "plen": len(prefix),
-            "after_e": -(2**62) if after is None else after[0],
-            "after_r": "" if after is None else after[1],
-            "n": limit + 1,
-        }
-        statement = self.sql.list_expired if expired_only else self.sql.list
-
-        def work(cur: Any) -> list[tuple[Any, ...]]:
-            cur.execute(statement, query)
-            return list(cur.fetchall())
-
-        rows = self._connections.run("list", work)
-        infos = [lease_info(*row) for row in rows[:limit]]
-        next_cursor = None
-        if len(rows) > limit:
-            last = rows[limit - 1]
-            next_cursor = encode_cursor(last[4], last[0])
-        return LeasePage(infos, next_cursor)
-
-    def force_release(self, resource: str, *, fence: int | None = None) -> LeaseInfo | None:
-        validate_resource(resource)
-        fence = self._fence_arg(fence)
-        params = {"r": resource, "f": fence}
-        shown: builtins.list[LeaseInfo] = []  # (SQLite: the lease that was not evicted)
-
-        def work(cursor: Any) -> tuple[Any, ...] | None:
-            if self.dialect == "postgresql":
-                cursor.execute(self.sql.force_release, params)
-                return one(cursor)
-            with self._connections.immediate(cursor):
-                cursor.execute(self.sql.get, params)
-                row = cursor.fetchone()
-                if fence is not None and (row is None or row[1] != fence):
-                    if row is not None:
-                        shown.append(lease_info(resource, *row))
-                    return None
-                cursor.execute(self.sql.force_release, params)
-                return None if row is None else tuple(row)
-
-        row = self._connections.run(f"force_release of {resource!r}", work)
-        if row is not None and row[0] is not None:
-            return log_force_release(lease_info(resource, *row), log)
-        if fence is None:
-            return None
-        # Nothing evicted: no lease, or it changed hands (PostgreSQL reads which, after).
-        current = shown[0] if shown else None
-        if current is None and self.dialect == "postgresql":
-            current = self.get(resource)
-        if current is not None and current.fence != fence:
-            raise changed_hands(resource, fence, current)
-        return None
-
-    # -- fence gate support (used by celery_lease.FenceGate) --------------------------------------
-    def gate_admit(self, key: str, fence: int) -> tuple[bool, int]:
-        """Admit ``fence`` for ``key`` if it is >= the highest admitted and >= the fence this
-        store granted ``key`` as a resource (its lease row's); one statement."""
-        params = {"k": validate_resource(key), "f": validate_fence(fence)}
-
-        def work(cursor: Any) -> tuple[Any, ...] | None:
-            if self.dialect == "postgresql":
-                return fetch(cursor, self.sql.gate_admit, params)
-            with self._connections.immediate(cursor):  # (one writer: nothing runs in between)
-                row = fetch(cursor, self.sql.gate_admit, params)
-                if row is not None:
-                    return (1, row[0])
-                highest = fetch(cursor, self.sql.gate_refused, params)
-                return None if highest is None or highest[0] is None else (0, highest[0])
-
-        for _ in range(3):
-            row = self._connections.run(f"fence gate admit of {key!r}", work)
-            # None, or a refusal citing no fence or one our snapshot saw as lower than ours: a
-            # racing admit committed a higher fence after our snapshot; ask again to report it.
-            if row is not None and (row[0] or (row[1] is not None and int(row[1]) > int(fence))):
-                return bool(row[0]), int(row[1])
-        raise LeaseStoreError(f"fence gate admit of {key!r} kept racing a concurrent insert")
-
-    def mark_once(self, key: str, token: str, ttl: float) -> bool:
-        """Record ``key`` for ``ttl`` seconds unless a live record of another ``token`` has it:
-        whether this caller holds it now (so a call repeated after a lost reply still finds
-        its own). One statement, on a row of the identities table (swept once expired)."""
-        params = {
-            "r": validate_resource(key),
-            "i": MARK_IDENTITY,
-            "t": token,
-            "ttl": max(1, round(ttl * 1e6)),
-        }
-
-        def work(cursor: Any) -> bool:
-            with self._connections.immediate(cursor):
-                return fetch(cursor, self.ledger_sql.mark_once, params) is not None
-
-        return self._connections.run(f"mark of {key!r}", work)
-
-    def gate_highest(self, key: str) -> int | None:
-        params = {"k": validate_resource(key)}
-        row = self._connections.run(
-            f"fence gate read of {key!r}", lambda c: fetch(c, self.sql.gate_read, params)
-        )
-        return None if row is None else int(row[0])
-
-    def check_health(self) -> builtins.list[str]:
-        self._connections.run("health check", lambda c: fetch(c, "SELECT 1", {}))
-        # Tables of an earlier version (a store made with create_tables=False, or a role that
-        # may not alter them, before their owner upgraded them) fail every claim: say so now.
-        problem = schema.schema_problem(self._connections, self.tables)
-        if problem is not None:
-            raise LeaseConfigError(f"SQL lease store {self.url}: {problem}")
-        warnings = []
-        if self.dialect == "postgresql":
-            self._use_functions(create=False)
-            if self.sql.acquire_raw is not self.sql.fast_raw[0]:
-                warnings.append(
-                    f"PostgreSQL lease store {self.url}: the wait-list functions of this version "
-                    "are missing (or not executable by this role): claims and releases work but "
-                    "cost the server more; as the tables' owner run `celery -A proj lease "
-                    "init-schema --url OWNER_URL` to create them"
-                )
-        if self.dialect == "sqlite":
-            warnings.append(
-                f"SQLite lease store {self.url}: exclusion only among processes on this host "
-                "sharing the file; use PostgreSQL or Redis across hosts"
-            )
-        return warnings
-
-    def warm_up(self) -> None:
-        self._connections.run("warm-up", lambda cursor: None, self._connections.renewer_free)
-
-    def reset_after_fork(self) -> None:
-        self._connections.reset_after_fork()
-        self._fallback_lock = threading.Lock()
-
-    def close(self) -> None:
-        self._connections.close()
-        if self._owns_engine:
-            self.engine.dispose()

@@ -1,4 +1,4 @@
-"""The wait list of the SQL store (invariants 12-14 of ``stores/base.py``), kept in the lease row.
+"""The wait list of the SQL store (invariants 12-14, ``stores/protocol.py``), kept in the lease row.
 
 A resource's FIFO wait list lives in three columns of its lease row: ``waits``, the places oldest
 first, each ``[identity, since_us, expires_us, woken_until_us, payload]`` (JSONB on PostgreSQL,
