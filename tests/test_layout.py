@@ -57,7 +57,19 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("store factory", {"stores", "stores.urls"}),
-    ("celery wiring", {"_app", "_wakes", "_workerlog", "fencing", "_fence_client"}),
+    (
+        "celery wiring",
+        {
+            "_app",
+            "_wakes",
+            "_workerlog",
+            "fencing",
+            "_fence_args",
+            "_fence_client",
+            "_fence_redis",
+            "_fence_sql",
+        },
+    ),
     # A lease task's rooms, each deciding one thing (see the _task docstring), lowest first.
     ("task parts", {"_gates", "_message", "_setup"}),
     ("task execution", {"_execution", "_unique"}),
