@@ -82,6 +82,10 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             "",
             "cli",
+            "_cli_common",
+            "_cli_inspect",
+            "_cli_check",
+            "_cli_manage",
             "testing",
             "contrib",
             "contrib.flower",
