@@ -17,7 +17,7 @@ import click
 from celery.bin.base import CeleryCommand
 
 from . import _clock
-from ._app import _store_options
+from ._app_stores import _store_options
 from ._cli_common import CommandError, echo_json, fails_cleanly, store_of
 from ._errors import LeaseBusyError, LeaseConfigError, LeaseStoreError
 from ._lease import Owner

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ._app import get_store
+from ._app_stores import get_store
 from ._errors import LeaseConfigError, LeaseError
 from ._lease import LeaseInfo
 from ._names import parse_holder, validate_resource

@@ -61,7 +61,10 @@ LAYERS: list[tuple[str, set[str]]] = [
         "celery wiring",
         {
             "_app",
+            "_app_stores",
+            "_passes",
             "_wakes",
+            "_wake_queues",
             "_workerlog",
             "fencing",
             "_fence_args",
