@@ -61,8 +61,6 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
     """
     import sqlalchemy as sa
 
-    from .stores.sql import TABLE_RIGHTS
-
     facts: dict[str, Any] = {}
     warnings: list[str] = []
     with store.engine.connect() as conn:
@@ -83,39 +81,61 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
             create_db=bool(createdb),
             create_in_schema=bool(create_in_schema),
         )
-        rights: dict[str, str] = {}
-        owned: list[str] = []
-        missing: dict[str, list[str]] = {}
-        for kind, table in store.tables.items():
-            row = conn.execute(
-                sa.text(
-                    "SELECT pg_get_userbyid(c.relowner) = current_user FROM pg_class c "
-                    "WHERE c.oid = to_regclass(:t)"
-                ),
-                {"t": store.engine.dialect.identifier_preparer.quote(table.name)},
-            ).first()
-            if row is None:
-                rights[table.name] = "missing table"
-                warnings.append(
-                    f"the lease table {table.name} does not exist: create the schema as its "
-                    "owner (celery -A proj lease init-schema --url OWNER_URL --grant ROLE)"
-                )
-                continue
-            if row[0]:
-                owned.append(table.name)
-            granted = [
-                right
-                for right in ("SELECT", "INSERT", "UPDATE", "DELETE")
-                if conn.execute(
-                    sa.text("SELECT has_table_privilege(:t, :r)"), {"t": table.name, "r": right}
-                ).scalar()
-            ]
-            rights[table.name] = ",".join(granted) or "none"
-            lacking = [right for right in TABLE_RIGHTS[kind] if right not in granted]
-            if lacking:
-                missing[kind] = lacking
+        rights, owned, missing = _table_rights(conn, store, warnings)
         facts["table_rights"] = rights
         facts["owns_tables"] = owned
+    warnings += _role_warnings(store, facts, missing)
+    return facts, warnings
+
+
+def _table_rights(
+    conn: Any, store: Any, warnings: list[str]
+) -> tuple[dict[str, str], list[str], dict[str, list[str]]]:
+    """The role's rights on each lease table (a missing table adds a warning), the tables it
+    owns, and the rights it lacks by table kind."""
+    import sqlalchemy as sa
+
+    from .stores.sql import TABLE_RIGHTS
+
+    rights: dict[str, str] = {}
+    owned: list[str] = []
+    missing: dict[str, list[str]] = {}
+    for kind, table in store.tables.items():
+        row = conn.execute(
+            sa.text(
+                "SELECT pg_get_userbyid(c.relowner) = current_user FROM pg_class c "
+                "WHERE c.oid = to_regclass(:t)"
+            ),
+            {"t": store.engine.dialect.identifier_preparer.quote(table.name)},
+        ).first()
+        if row is None:
+            rights[table.name] = "missing table"
+            warnings.append(
+                f"the lease table {table.name} does not exist: create the schema as its "
+                "owner (celery -A proj lease init-schema --url OWNER_URL --grant ROLE)"
+            )
+            continue
+        if row[0]:
+            owned.append(table.name)
+        granted = [
+            right
+            for right in ("SELECT", "INSERT", "UPDATE", "DELETE")
+            if conn.execute(
+                sa.text("SELECT has_table_privilege(:t, :r)"), {"t": table.name, "r": right}
+            ).scalar()
+        ]
+        rights[table.name] = ",".join(granted) or "none"
+        lacking = [right for right in TABLE_RIGHTS[kind] if right not in granted]
+        if lacking:
+            missing[kind] = lacking
+    return rights, owned, missing
+
+
+def _role_warnings(store: Any, facts: dict[str, Any], missing: dict[str, list[str]]) -> list[str]:
+    """What ``check`` warns about the role (rights it lacks, more than it needs) and the
+    statement timeout, from what ``_postgres_facts`` read."""
+    warnings: list[str] = []
+    name, owned, create_in_schema = facts["role"], facts["owns_tables"], facts["create_in_schema"]
     if missing:
         grants = "; ".join(
             stmt for kind, stmt in zip(store.tables, store.grant_statements(name), strict=True)
@@ -133,7 +153,7 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
             "PostgreSQL statement_timeout is 0 (none): a stuck statement can pin a lease row; "
             "let celery_lease set it (the default) or set one on the role"
         )
-    if superuser or createrole or createdb:
+    if facts["superuser"] or facts["create_role"] or facts["create_db"]:
         warnings.append(
             f"role {name!r} is a superuser or may create roles/databases: run the lease "
             "store as a least-privilege role (rights on the lease tables only)"
@@ -146,7 +166,7 @@ def _postgres_facts(store: Any) -> tuple[dict[str, Any], list[str]]:
             f"role {name!r} {what}: for least privilege let another role own the schema "
             "(celery -A proj lease init-schema --url OWNER_URL --grant ROLE)"
         )
-    return facts, warnings
+    return warnings
 
 
 def _facts_lines(facts: dict[str, Any]) -> list[str]:
@@ -209,37 +229,44 @@ def check(ctx: click.Context, strict: bool, as_json: bool) -> None:
     if as_json:
         echo_json(ctx, out)
     else:
-        if "failed" in probe:
-            outcome = f"FAILED ({probe['failed']})"
-        elif skew is None:
-            outcome = f"skipped ({probe['skipped']})"
-        else:
-            outcome = (
-                f"ok, round trip {probe['round_trip'] * 1000:.1f} ms, clock skew "
-                f"{skew:+.3f}s (+-{probe['uncertainty']:.3f}s, store minus this host)"
-            )
-        facts = {"store": store.url, "write probe": outcome, **out.get("postgresql", {})}
-        for line in _facts_lines(facts):
-            ctx.obj.echo(line)
-        ctx.obj.echo(f"leased tasks: {len(tasks) or 'none'}")
-        width = max((len(t["task"]) for t in tasks), default=0)
-        for task in tasks:
-            source = f"route {task['pattern']!r}" if task["source"] == "route" else task["source"]
-            ctx.obj.echo(f"  {task['task']:<{width}}  {source}, resource {task['resource']!r}")
-        for warning in warnings:
-            ctx.obj.echo(f"WARNING: {warning}")
-        if "failed" in probe:
-            ctx.obj.echo("FAILED: the write probe failed")
-        elif not warnings:
-            ctx.obj.echo("OK")
-        elif out["ok"]:
-            ctx.obj.echo(f"OK, {len(warnings)} warning(s)")
-        else:
-            ctx.obj.echo(f"FAILED: {len(warnings)} warning(s) under --strict")
+        _echo_check(ctx, out)
     if "failed" in probe:
         raise CommandError(f"the write probe failed: {probe['failed']}")
     if strict and warnings:
         raise CommandError(f"{len(warnings)} warning(s) about {store.url}")
+
+
+def _echo_check(ctx: click.Context, out: dict[str, Any]) -> None:
+    """``check``'s report as text: what ``--json`` prints, then the verdict."""
+    probe, tasks, warnings = out["probe"], out["tasks"], out["warnings"]
+    skew = probe.get("clock_skew")
+    if "failed" in probe:
+        outcome = f"FAILED ({probe['failed']})"
+    elif skew is None:
+        outcome = f"skipped ({probe['skipped']})"
+    else:
+        outcome = (
+            f"ok, round trip {probe['round_trip'] * 1000:.1f} ms, clock skew "
+            f"{skew:+.3f}s (+-{probe['uncertainty']:.3f}s, store minus this host)"
+        )
+    facts = {"store": out["store"], "write probe": outcome, **out.get("postgresql", {})}
+    for line in _facts_lines(facts):
+        ctx.obj.echo(line)
+    ctx.obj.echo(f"leased tasks: {len(tasks) or 'none'}")
+    width = max((len(t["task"]) for t in tasks), default=0)
+    for task in tasks:
+        source = f"route {task['pattern']!r}" if task["source"] == "route" else task["source"]
+        ctx.obj.echo(f"  {task['task']:<{width}}  {source}, resource {task['resource']!r}")
+    for warning in warnings:
+        ctx.obj.echo(f"WARNING: {warning}")
+    if "failed" in probe:
+        ctx.obj.echo("FAILED: the write probe failed")
+    elif not warnings:
+        ctx.obj.echo("OK")
+    elif out["ok"]:
+        ctx.obj.echo(f"OK, {len(warnings)} warning(s)")
+    else:
+        ctx.obj.echo(f"FAILED: {len(warnings)} warning(s) under --strict")
 
 
 def _leased_tasks(app: Any, warnings: list[str]) -> list[dict[str, Any]]:

@@ -25,8 +25,9 @@ from ._cli_common import (
     store_of,
     waiter_json,
 )
+from ._lease import LeaseInfo
 from ._names import holder_task_id, parse_holder
-from .stores.base import RECENT_EFFECTS
+from .stores.base import RECENT_EFFECTS, IdentityInfo, IdentityRecords, Waiter
 
 
 @click.command(name="ls", cls=CeleryCommand)
@@ -116,15 +117,7 @@ def show(
     )
     note = None
     if info is not None and identity is None and record is None:
-        where = (
-            f"no identity record under the holder's task id {holder!r}"
-            if holder is not None
-            else "the holder's label names no task id"
-        )
-        note = (
-            f"{where}; a task that sets identity= keeps its record under that identity, "
-            "which the lease does not record: pass --identity ID to see it"
-        )
+        note = _identity_note(holder)
     if as_json:
         out: dict[str, Any] = {
             "lease": None if info is None else lease_json(info),
@@ -138,6 +131,34 @@ def show(
             out["note"] = note
         echo_json(ctx, out)
         return
+    _echo_lease(ctx, resource, info, queue)
+    if record is None:
+        if identity is not None:
+            ctx.obj.echo(f"identity {identity!r}: no record")
+        elif note is not None:
+            ctx.obj.echo(f"identity:    {note}")
+        return
+    assert records is not None
+    _echo_record(ctx, record, records)
+
+
+def _identity_note(holder: str | None) -> str:
+    """Why ``show`` found no identity record for a lease without --identity."""
+    where = (
+        f"no identity record under the holder's task id {holder!r}"
+        if holder is not None
+        else "the holder's label names no task id"
+    )
+    return (
+        f"{where}; a task that sets identity= keeps its record under that identity, "
+        "which the lease does not record: pass --identity ID to see it"
+    )
+
+
+def _echo_lease(
+    ctx: click.Context, resource: str, info: LeaseInfo | None, queue: list[Waiter]
+) -> None:
+    """``show``'s lines about the lease and its wait list."""
     if info is None:
         ctx.obj.echo(f"{resource}: no lease (free)")
     else:
@@ -163,12 +184,10 @@ def show(
             ctx.obj.echo(
                 f"  {waiter.position}. {waiter.identity} (since {waiter.since.isoformat()}{woken})"
             )
-    if record is None:
-        if identity is not None:
-            ctx.obj.echo(f"identity {identity!r}: no record")
-        elif note is not None:
-            ctx.obj.echo(f"identity:    {note}")
-        return
+
+
+def _echo_record(ctx: click.Context, record: IdentityInfo, records: IdentityRecords) -> None:
+    """``show``'s lines about a task identity's record, its checkpoints and recent effects."""
     ctx.obj.echo(f"identity {record.identity!r}:")
     for name, value in (
         ("state", record.state),
@@ -178,7 +197,6 @@ def show(
         ("kept until", record.expires_at.isoformat()),
     ):
         ctx.obj.echo(f"  {name + ':':<13}{value}")
-    assert records is not None
     if records.checkpoints is None:
         ctx.obj.echo("  checkpoints: none")
     else:
