@@ -1,4 +1,4 @@
-"""The lease store of each app: made once per process and app, put aside for tests, reset on fork.
+"""The lease store of each app: made once per process and app, overridable in tests, reset on fork.
 
 ``get_store(app)`` makes the store the app's lease settings name (its call timeout worked out
 from the ttl, see ``store_timeout``) and keeps it per app; ``override_store()`` puts another in
