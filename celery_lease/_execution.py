@@ -23,8 +23,9 @@ from ._eventlog import lease_log
 from ._eventlog import log as event_log
 from ._lease import Lease
 from ._message import WAITS_HEADER, carry
-from ._wakes import ROUTE_HEADER, send_wake
-from ._wakes import to_wake_queue as _to_wake_queue
+from ._wake_queues import ROUTE_HEADER
+from ._wake_queues import to_wake_queue as _to_wake_queue
+from ._wakes import send_wake
 from .stores._bounds import POLL
 
 if TYPE_CHECKING:

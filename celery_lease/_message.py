@@ -21,12 +21,12 @@ from celery import Task
 from celery.app.task import Context
 
 from . import _clock
-from ._app import wake_queue_for
 from ._eventlog import SHORTEN_LOOKAHEAD, shorten
 from ._names import MAX_LABEL_LENGTH, label_task_id
 from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._pid import getpid
 from ._settings import LeaseSettings
+from ._wake_queues import wake_queue_for
 from ._wakes import (
     EARLY_HEADER,
     ROUTE_HEADER,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._app import get_store
+from ._app_stores import get_store
 from ._errors import LeaseConfigError
 from ._lease import Lease, LeaseInfo
 from ._wakes import pass_turn, send_wake

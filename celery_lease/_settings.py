@@ -47,8 +47,8 @@ ON_CONFLICT = ("raise", "return_existing", "skip", "replace")
 ORDERS = ("arrival", "publish")
 
 #: Seconds a store call may take before it times out, at the least (the stores' socket and
-#: statement timeouts are ttl - margin - renew_interval, see ``_app.store_timeout``, but never
-#: below this). A renewal must be able to take that long and still be answered before the
+#: statement timeouts are ttl - margin - renew_interval, see ``_app_stores.store_timeout``, but
+#: never below this). A renewal must be able to take that long and still be answered before the
 #: self-fence deadline, which bounds the smallest ttl.
 MIN_STORE_CALL = 0.2
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 
 from . import _outage as outage
-from ._app import AdoptsAppOptions, get_store, overridden_store, wake_queues_on
+from ._app_stores import AdoptsAppOptions, get_store, overridden_store
 from ._errors import LeaseConfigError
 from ._gates import Gates
 from ._interrupt import eventlet_patched
@@ -22,6 +22,7 @@ from ._names import mask_url
 from ._pid import getpid
 from ._settings import Resolved
 from ._template import NameTemplate
+from ._wake_queues import wake_queues_on
 
 if TYPE_CHECKING:
     from .stores import LeaseStore

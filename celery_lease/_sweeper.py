@@ -211,7 +211,7 @@ def run_sweep(
         app = current_app
     settings = LeaseSettings.resolve(app.conf)
     if store is None:
-        from ._app import get_store
+        from ._app_stores import get_store
 
         store = get_store(app, settings)
     report = SweepReport(dry_run=dry_run)

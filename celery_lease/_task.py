@@ -31,7 +31,8 @@ from celery import Task, shared_task
 
 from . import _clock, _unique
 from . import _events as events
-from ._app import install, register_task_type
+from ._app import install
+from ._app_stores import register_task_type
 from ._attempt import Attempt
 from ._errors import LeaseConfigError, LeaseError
 from ._gates import GatesSpec, check_gates
@@ -49,7 +50,7 @@ from ._names import RESOURCE_PATTERN as _RESOURCE_RE
 from ._pid import getpid
 from ._settings import LeaseSettings, Resolved
 from ._setup import TaskSetup, check_templates, raw_attr, run_signature
-from ._wakes import ROUTE_HEADER
+from ._wake_queues import ROUTE_HEADER
 
 __all__ = ["LeaseTask", "current_lease", "lease_task"]
 

@@ -19,7 +19,6 @@ from celery.exceptions import Ignore
 from . import _copies, _execution, _unique
 from . import _events as events
 from . import _failpoints as failpoints
-from ._app import wake_queue_for
 from ._errors import BUSY_ADVICE, LeaseBusyError
 from ._message import (
     POLLS_HEADER,
@@ -32,6 +31,7 @@ from ._message import (
     read_header,
     request_get,
 )
+from ._wake_queues import wake_queue_for
 from ._wakes import EARLY_HEADER, EARLY_RETRY_DELAYS, LINEAGE_HEADER, WOKEN_HEADER
 
 if TYPE_CHECKING:

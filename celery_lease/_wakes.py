@@ -25,7 +25,7 @@ One thread per process (:class:`Waker`) keeps both; a forked child makes its own
 worker with an event loop (a Redis or AMQP broker) passes in its main process, on that loop
 (:meth:`Waker.run_on`, the consumer's hub timer), never on a thread there (the loop forks the
 pool processes: a thread of ours could be forked in the middle of a store call); its pool
-processes hand the turn checks they have pending when they exit to it (``_app``). So neither
+processes hand the turn checks they have pending when they exit to it (``_passes``). So neither
 depends on one pool process staying alive (``--max-tasks-per-child``, ``--autoscale``). A
 prefork worker without an event loop passes in its first pool process.
 """
@@ -40,7 +40,6 @@ import os
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,6 +47,14 @@ from . import _clock
 from . import _events as events
 from ._errors import LeaseError
 from ._pid import getpid
+from ._wake_queues import (
+    ROUTE_HEADER,
+    WAKE_QUEUE_SUFFIX,
+    task_wake_queues,
+    to_wake_queue,
+    wake_queue,
+    wake_queues_on,
+)
 from .stores._bounds import POLL, POLL_HOLD
 
 if TYPE_CHECKING:
@@ -80,13 +87,6 @@ log = logging.getLogger(__name__)
 LINEAGE_HEADER = "celery_lease_since_fence"
 #: When (wall clock) a waiter's message was sent by a wake: the hand-off latency's start.
 WOKEN_HEADER = "celery_lease_woken_at"
-#: The wake route. In a waiter's wake message: the wake queue of the task queue its copy came
-#: from (a string, written when that is certain). In a woken message sent to that wake queue:
-#: [wake queue, exchange, routing key] of the waiter's own route, which the woken copy takes
-#: as its delivery route (its retries, back-off copy and next wake go there). Honoured only on
-#: a message delivered from that wake queue, so a copy sent elsewhere (a retry with queue=)
-#: never follows a stale one.
-ROUTE_HEADER = "celery_lease_wake_route"
 #: In a wake sent with the release that hands the resource over (an early wake, see
 #: ``LeaseTask._release``): how many more times this copy, refused because that release has not
 #: landed yet, is sent again after a short delay (``EARLY_RETRY_DELAYS``).
@@ -123,58 +123,6 @@ EXIT_SLACK = 1.0
 EXIT_POLL = 0.05
 #: How long an exiting process's turn checks may take before ``on_wait`` is told it waits.
 WAIT_NOTICE = 0.3
-
-
-#: A task queue's wake queue is its name with this after it: ``celery`` -> ``celery.lease-wake``.
-WAKE_QUEUE_SUFFIX = ".lease-wake"
-#: Broker transports (kombu's ``driver_type``) whose queue names and routing we checked: any
-#: name up to 255 bytes on AMQP (but ``amq.*``), any key on Redis; a publish to the default
-#: exchange ('') with the queue's name as routing key reaches that queue alone on both.
-_WAKE_TRANSPORTS = frozenset({"redis", "amqp"})
-_WAKE_QUEUE_ORDERS = frozenset({None, "round_robin", "priority"})
-_wake_on: weakref.WeakKeyDictionary[Any, tuple[int, bool]] = weakref.WeakKeyDictionary()
-
-
-def wake_queues_on(app: Any) -> bool:
-    """Whether ``app``'s workers consume a wake queue beside each task queue (and wakes may
-    go there): ``lease_handoff_wake_queue`` is not off and the broker is Redis or AMQP.
-
-    Worked out once per app and settings generation (see ``forget_resolved_settings``).
-    """
-    from ._settings import Resolved
-
-    known = _wake_on.get(app)
-    if known is not None and known[0] == Resolved.generation:
-        return known[1]
-    on = app.conf.get("lease_handoff_wake_queue") is not False
-    if on:
-        # Redis serves the consumed queues in an order: round-robin (rotating the one just
-        # served to the end) or "priority" (as consumed: each wake queue comes right before its
-        # task queue, see _wakes_first); "sorted" (by name) puts Q.lease-wake after Q, behind
-        # its backlog, and a custom order is unknown: no wake queues.
-        options = app.conf.get("broker_transport_options") or {}
-        on = options.get("queue_order_strategy") in _WAKE_QUEUE_ORDERS
-    if on:
-        try:
-            conn = app.connection_for_read()
-            try:
-                on = getattr(conn.transport, "driver_type", None) in _WAKE_TRANSPORTS
-            finally:
-                conn.release()
-        except Exception:  # noqa: BLE001 - an unknown transport: no wake queues
-            on = False
-    _wake_on[app] = (Resolved.generation, on)
-    return on
-
-
-def wake_queue(name: str) -> Any:
-    """The wake queue named ``name``: a direct exchange of its own, bound by its own name, so a
-    publish to it (Celery sends it through the default exchange, routing key = its name)
-    reaches it alone. Publisher and worker declare it alike (AMQP refuses a second declaration
-    that differs)."""
-    from kombu.entity import Exchange, Queue
-
-    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
 
 
 def send_wake(
@@ -215,7 +163,7 @@ def send_wake(
             headers.setdefault(LINEAGE_HEADER, fence)
         via = headers.pop(ROUTE_HEADER, None)
         if wake_queues is None:
-            wake_queues = _wake_queues_for(app, message.get("task"))
+            wake_queues = task_wake_queues(app, message.get("task"))
         if isinstance(via, str) and wake_queues:
             to_wake_queue(options, headers, via)
         app.signature(message).apply_async()
@@ -230,33 +178,6 @@ def send_wake(
     if store is not None:
         get_waker().after_wake(app, store, resource)
     return True
-
-
-def _wake_queues_for(app: Any, name: Any) -> bool:
-    """Whether a wake of task ``name`` may go to a wake queue: the app's workers consume them
-    and the task does not turn them off (``lease_handoff_wake_queue``)."""
-    task = app.tasks.get(name) if isinstance(name, str) else None
-    return wake_queues_on(app) and getattr(task, "lease_handoff_wake_queue", None) is not False
-
-
-def to_wake_queue(options: dict[str, Any], headers: dict[str, Any], via: str) -> None:
-    """Send a wake message to the wake queue ``via`` instead of its own route, which goes in
-    its ROUTE_HEADER (the woken copy takes it as its delivery route)."""
-    if not via.endswith(WAKE_QUEUE_SUFFIX):
-        return
-    queue, exchange, routing_key = (options.get(k) for k in ("queue", "exchange", "routing_key"))
-    if isinstance(queue, str) and queue and exchange is None and routing_key is None:
-        route = ["", queue]  # sent on its queue's name (the default exchange)
-    elif queue is None and isinstance(exchange, str) and isinstance(routing_key, str):
-        route = [exchange, routing_key]
-    else:
-        return  # a route we would not rebuild exactly: its own
-    for key in ("queue", "exchange", "routing_key"):
-        options.pop(key, None)
-    # Exchange and routing key set too: a route of task_routes or of the task's own options is
-    # merged into a send's options where they are missing (it would send the wake there).
-    options.update(queue=wake_queue(via), exchange="", routing_key=via, exchange_type="direct")
-    headers[ROUTE_HEADER] = [via, *route]
 
 
 def pass_turn(
@@ -371,7 +292,7 @@ class Waker:
         thread (the pool's process handlers run on the loop), so a fork never lands in the
         middle of a pass, and no thread of ours is there to be forked. Each run holds the loop
         for its store calls, so the stores given to :meth:`pass_every` there should answer
-        within a short timeout (see ``_app.PARENT_CALL_TIMEOUT``).
+        within a short timeout (see ``_passes.PARENT_CALL_TIMEOUT``).
         """
         with self._cond:
             # Armed afresh also when it is the same loop: a worker whose broker connection

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._app import override_store
+from ._app_stores import override_store
 from ._errors import LeaseLostError, LeaseStoreError
 from ._lease import Lease, LeaseInfo
 from ._names import validate_resource, validate_ttl
@@ -187,7 +187,7 @@ def paused_renewals(store: TestLeaseStore | None = None) -> Iterator[None]:
     store in place (the ``lease_store`` fixture or ``using_store()``).
     """
     if store is None:
-        from ._app import overridden_store
+        from ._app_stores import overridden_store
 
         current = overridden_store()
         if not isinstance(current, TestLeaseStore):

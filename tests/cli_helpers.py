@@ -22,7 +22,7 @@ import pytest
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
-from celery_lease import _app
+from celery_lease import _app_stores
 from celery_lease.cli import lease
 from celery_lease.stores import store_from_url
 from tests.cli_config import make_app
@@ -99,7 +99,7 @@ def lease_here(*args: str, stdin: str = "", env: dict[str, str] | None = None) -
         )
     finally:
         root.removeHandler(handler)
-        for store in _app._stores.pop(app, {}).values():
+        for store in _app_stores._stores.pop(app, {}).values():
             store.close()
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception

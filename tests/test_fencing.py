@@ -483,14 +483,14 @@ class TestRedisFencedWritesOnAnotherDatabase:
     def test_negative_control_without_the_check_the_stale_write_lands(self, redis_server):
         """What the refusal prevents: the script on db 1 finds no fences hash, so it takes the
         old owner's write (the same script, called without the location check)."""
-        from celery_lease import fencing
+        from celery_lease import _fence_redis
 
         store = store_from_url(redis_server.url, key_prefix=unique("cl") + ":")
         try:
             old, _ = _old_and_newer(store, unique("acct/"))
             data = self._client(store, db=1)
             key = unique("dash:")
-            script = data.register_script(fencing._SET_SCRIPT)
+            script = data.register_script(_fence_redis._SET_SCRIPT)
             fences = store._fences_key(old.resource)
             assert (
                 script(keys=[key, fences], args=[old.fence, "fence", old.resource, "value", "x"])[0]

@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import Owner
-from celery_lease._app import _store_options, get_store, store_timeout
+from celery_lease._app_stores import _store_options, get_store, store_timeout
 from celery_lease._settings import MIN_STORE_CALL, LeaseSettings
 from celery_lease.stores.redis import RedisLeaseStore
 from tests.conftest import unique

@@ -363,7 +363,8 @@ def _connection_ids(store: Any) -> set[Any]:
 def pass_store(request: pytest.FixtureRequest) -> Iterator[Any]:
     """The store a prefork worker's main process passes over (``lease_stores`` with its call
     timeout), of an app on a real Redis or PostgreSQL store."""
-    from celery_lease._app import PARENT_CALL_TIMEOUT, lease_stores
+    from celery_lease._app import lease_stores
+    from celery_lease._passes import PARENT_CALL_TIMEOUT
 
     app = Celery("pass_fork", broker="memory://")
     if request.param == "redis":
@@ -417,7 +418,7 @@ class TestFork:
 
 class TestHandOver:
     """A prefork pool process on its way out hands its pending turn checks to its worker's
-    main process (``_app._ParentTurns``, a pipe made before the pool forks)."""
+    main process (``_passes._ParentTurns``, a pipe made before the pool forks)."""
 
     def test_an_exiting_child_hands_its_check_to_the_main_process(
         self, waker: _wakes.Waker, broker: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch
@@ -426,14 +427,14 @@ class TestHandOver:
         main process runs the check when W1's grace is over, also when the child wrote it
         after the main process's loop stopped (``take_leftovers``, at its exit): W2 is woken
         and W1's missed wake sent once more."""
-        from celery_lease import _app
+        from celery_lease import _app, _app_stores, _passes
         from celery_lease.stores import base
 
         monkeypatch.setattr(base, "DEFAULT_HANDOFF_GRACE", GRACE)
         app, client, queue = broker
         app.conf.update(lease_store_url=redis_server.url, lease_key_prefix=f"{unique('cl')}:")
         store = _app.get_store(app)
-        turns = _app._ParentTurns(app)
+        turns = _passes._ParentTurns(app)
         try:
             resource = unique("r")
             held = _line_up(store, resource, queue)
@@ -458,7 +459,7 @@ class TestHandOver:
         finally:
             os.close(turns.read_fd)
             os.close(turns.write_fd)
-            for made in _app._stores.get(app, {}).values():
+            for made in _app_stores._stores.get(app, {}).values():
                 made.close()
 
     def test_checks_the_main_process_cannot_run_are_kept(
@@ -466,10 +467,10 @@ class TestHandOver:
     ) -> None:
         """In the main process itself, or on a store the app's settings do not name (one a
         test or a script passed in), the checks come back to be run where they are."""
-        from celery_lease import _app
+        from celery_lease import _passes
 
         app, _client, _queue = broker
-        turns = _app._ParentTurns(app)
+        turns = _passes._ParentTurns(app)
         try:
             check = _wakes.TurnCheck(time.monotonic(), app, store, "r")
             assert turns.hand_over([check]) == [check]  # (the main process)

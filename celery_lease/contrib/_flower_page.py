@@ -252,7 +252,7 @@ def _handler_class() -> type:
 
         @web.authenticated
         async def get(self) -> None:
-            from .._app import get_store
+            from .._app_stores import get_store
 
             prefix = self.get_query_argument("prefix", "").strip()
             try:

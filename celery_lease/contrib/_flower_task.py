@@ -261,7 +261,7 @@ def _identity_record(app: Any, resource: str, identity: str) -> IdentityInfo | N
 
 
 def _store(app: Any) -> Any:
-    from .._app import get_store
+    from .._app_stores import get_store
 
     return get_store(app)
 

@@ -144,13 +144,13 @@ if env.get("CL_POLL_TURN_GRACES"):  # negative control: a polling turn checked t
 
     _wakes.POLL_TURN_GRACES = int(env["CL_POLL_TURN_GRACES"])
 if env.get("CL_PASS_IN_PARENT") == "0":  # negative control: prefork passes in pool process 0
-    from celery_lease import _app as _app_module
+    from celery_lease import _passes
 
-    _app_module.PASS_IN_PARENT = False
+    _passes.PASS_IN_PARENT = False
 if env.get("CL_HAND_OVER") == "0":  # negative control: a pool process waits for its checks
-    from celery_lease import _app as _app_module
+    from celery_lease import _passes
 
-    _app_module.HAND_OVER_TURNS = False
+    _passes.HAND_OVER_TURNS = False
 if env.get("CL_STORE_DOWN_MAX_WAIT"):
     app.conf.lease_store_down_max_wait = float(env["CL_STORE_DOWN_MAX_WAIT"])
 #: How long a worker holds the Redis transport's ``unacked_mutex`` (kombu: 300 s). A worker
