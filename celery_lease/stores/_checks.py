@@ -242,10 +242,11 @@ class StoreChecks:
             raise LeaseConfigError("the ledger needs a lease claimed with identity=")
         return lease.identity, validate_resource(key)
 
-    @staticmethod
-    def _records_args(resource: str, identity: str, limit: int) -> tuple[str, str, int]:
+    @classmethod
+    def _records_args(cls, resource: str, identity: str, limit: int) -> tuple[str, str, int]:
         validate_resource(resource)
-        ident = StoreChecks._identity_args(identity) or ""
+        # (through the class: a patch of the store's or BaseLeaseStore's check applies)
+        ident = cls._identity_args(identity) or ""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise LeaseConfigError(f"limit must be an integer 1..1000, got {show_value(limit)}")
         return resource, ident, limit
