@@ -33,7 +33,8 @@ __all__ = [
     "store_timeout",
 ]
 
-log = logging.getLogger(__name__)
+# (the logger these lines had before they left _app.py: logging settings that name it still apply)
+log = logging.getLogger("celery_lease._app")
 
 _StoreKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]
 _stores: weakref.WeakKeyDictionary[Any, dict[_StoreKey, LeaseStore]] = weakref.WeakKeyDictionary()

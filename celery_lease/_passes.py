@@ -40,7 +40,8 @@ __all__ = [
     "start_passes",
 ]
 
-log = logging.getLogger(__name__)
+# (the logger these lines had before they left _app.py: logging settings that name it still apply)
+log = logging.getLogger("celery_lease._app")
 
 
 def release_all_held() -> int:

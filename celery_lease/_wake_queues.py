@@ -25,7 +25,8 @@ __all__ = [
     "wake_queues_on",
 ]
 
-log = logging.getLogger(__name__)
+# (the logger these lines had before they left _app.py: logging settings that name it still apply)
+log = logging.getLogger("celery_lease._app")
 
 #: The wake route. In a waiter's wake message: the wake queue of the task queue its copy came
 #: from (a string, written when that is certain). In a woken message sent to that wake queue:
