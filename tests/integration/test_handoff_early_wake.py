@@ -74,7 +74,9 @@ def _hand_over(
             # (a loaded box delivered W's early copy after the slowed release had landed:
             # nothing raced. Once this try's backlog is through, again on a new resource.)
             print("the early copy came after the release landed: trying again")
-            wait_for(lambda n=n: len(events.where(ev="enter", res=n)) >= backlog + 3, 60, "it")
+            wait_for(
+                lambda n=n: len(events.where(ev="enter", res=n)) >= backlog + 3, 60, "the backlog"
+            )
             n = unique("ew")
     return exited, events.where(ev="enter", res=n, k=2), result, worker_b
 
