@@ -469,7 +469,8 @@ class TestReleaseChecksTheTurn:
         from celery_lease.stores import base
 
         monkeypatch.setattr(_wakes, "_waker", _wakes.Waker())  # (this test's checks only)
-        monkeypatch.setattr(base, "DEFAULT_HANDOFF_GRACE", 0.5)  # (the command's store)
+        grace = 2.0
+        monkeypatch.setattr(base, "DEFAULT_HANDOFF_GRACE", grace)  # (the command's store)
         store = sqlite_target.store
         store.acquire("browser/a", Owner.new("celery@w1:12:task-aaa"), 60)
         for who in ("w1", "w2"):
@@ -479,10 +480,13 @@ class TestReleaseChecksTheTurn:
                 )
         started = time.monotonic()
         done = sqlite_target.run("release", "browser/a", "--force", "--yes")
+        took = time.monotonic() - started
         assert done.returncode == 0, done.stderr
-        assert time.monotonic() - started < 5
+        assert took < grace + 5
         waiting = [line for line in done.stderr.splitlines() if "take its turn" in line]
-        assert len(waiting) == 1, done.stderr
+        # One line while it waits. Only a command whose own work after the wake outlasted the
+        # grace (a loaded box: seen with a grace of 0.5 s) finds the check due and says nothing.
+        assert len(waiting) == 1 or (not waiting and took > grace), done.stderr
         assert [w.identity for w in store.waiters("browser/a") if w.woken] == ["w2"]
 
     def test_nothing_woken_nothing_said(self, sqlite_target: Target) -> None:
