@@ -92,7 +92,8 @@ class TestExitTurns:
         """A process that sent no wake exits without waiting or starting a thread."""
         started = time.monotonic()
         assert _wakes.drain_turns() is True
-        assert time.monotonic() - started < 0.05
+        # (a wait would be a grace, 2 s by default; a loaded box can take a tick or two)
+        assert time.monotonic() - started < 0.5
         assert not [t for t in threading.enumerate() if t.name == _wakes.EXIT_THREAD]
 
     def test_a_dropped_wake_is_passed_on_before_exit(

@@ -187,9 +187,12 @@ class TestFaults:
         slow = time.monotonic() - started
         assert 0.3 <= slow < 2.0
         proxy.set_latency(0)
-        started = time.monotonic()
-        assert client.ping()
-        assert time.monotonic() - started < 0.25
+        fastest = 10.0
+        for _ in range(3):  # (the best of three: a loaded box can stall one ping)
+            started = time.monotonic()
+            assert client.ping()
+            fastest = min(fastest, time.monotonic() - started)
+        assert fastest < 0.25
         client.close()
 
 
