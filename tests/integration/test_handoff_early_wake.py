@@ -112,8 +112,9 @@ def test_an_early_copy_refused_before_the_release_landed_comes_again_shortly(
     """Failed before the fix as the negative control does (W started 5 s or more after H
     ended): a refused early copy re-armed nothing and waited with the back-off."""
     # (off: without the turn checks and passes too, which would wake it a grace later)
-    off = {"CL_PASS_THE_TURN": "0"} if retry == "off" else {}
-    extra_b = {"CL_EARLY_RETRY": "off", **off} if retry == "off" else {}
+    # (a 5 s grace: a turn check, which would also wake W, comes well after the bound)
+    off = {"CL_HANDOFF_GRACE": "5", **({"CL_PASS_THE_TURN": "0"} if retry == "off" else {})}
+    extra_b = {"CL_EARLY_RETRY": "off", **off} if retry == "off" else dict(off)
     # (on: a loaded box can deliver W's early copy after the slowed release landed, so that
     # nothing raced; the hand-over is then tried again on a new resource, up to three times)
     raced = _sent_again if retry == "on" else None
