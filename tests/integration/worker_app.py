@@ -452,8 +452,8 @@ def paused_writer(
     lease.check()
     if role == "first" and not coord().exists(f"{env['CL_EVENTS']}:done:{trial}"):
         report("ready", trial=trial, role=role, fence=lease.fence, task=self.request.id)
-        coord().set(f"{env['CL_EVENTS']}:ready:{trial}", os.getpid())
-        try:
+        try:  # (the test pauses this process once it sees "ready": maybe before set() returned)
+            coord().set(f"{env['CL_EVENTS']}:ready:{trial}", os.getpid())
             wait_for_key(f"{env['CL_EVENTS']}:go:{trial}")
         except LOST:
             if use_gate and self_fence:
@@ -585,15 +585,21 @@ def late_writer(self: Any, trial: int, role: str) -> int:
     )
     if role == "first" and coord().set(f"{events}:paused:{trial}", 1, nx=True):
         report("ready", trial=trial, role=role, fence=lease.fence, task=self.request.id)
-        coord().set(f"{events}:ready:{trial}", os.getpid())
-        try:
-            wait_for_key(f"{events}:go:{trial}")
-        except LOST:
-            report("ignored_loss", trial=trial, role=role, fence=lease.fence)
-            wait_for_key(f"{events}:go:{trial}")
-        # Also when the loss is found only now (the renewal thread resumed with the body): the
-        # gate's admit would raise it first, and the gate must decide.
-        forget_interrupt()
+        # The test pauses this process once it sees "ready" (maybe before set() returned) and
+        # resumes it after a newer owner claimed; the loss its renewal thread then finds can
+        # be raised anywhere up to forget_interrupt(), which also covers a loss found only after
+        # "go" (else the gate's admit would raise it first, and the gate must decide).
+        ignored = False
+        while True:
+            try:
+                coord().set(f"{events}:ready:{trial}", os.getpid())
+                wait_for_key(f"{events}:go:{trial}")
+                forget_interrupt()
+                break
+            except LOST:
+                if not ignored:
+                    report("ignored_loss", trial=trial, role=role, fence=lease.fence)
+                    ignored = True
     elif role == "second":
         report("claimed", trial=trial, role=role, fence=lease.fence, task=self.request.id)
         wait_for_key(f"{events}:second-go:{trial}")
