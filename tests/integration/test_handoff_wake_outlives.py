@@ -151,7 +151,7 @@ def test_a_forced_release_hands_off_as_a_release_does(
 ):
     """Evicting the holder while a task waits wakes that task (api, cli) in well under the
     ttl; the store's own force_release (the negative control) wakes nobody and the waiter
-    runs only from its back-stop copy, about a ttl after its refused claim. Before (issue 32,
+    runs only from a copy of its own, 30 s or more after its refused claim. Before (issue 32,
     item 3): the CLI's eviction woke nobody (a waiter started 11.8 s later).
 
     The ttl is a minute (the back-stop copy, and any back-off retry, at 30 s or later) and
