@@ -30,8 +30,9 @@ written; the re-armed copy ran and stored SUCCESS; the paused one resumed and wr
 it. The increment was done exactly once and acknowledged, but ``AsyncResult.get()`` would wait
 for ever. Then the identity record must still hold the acknowledged result (asserted).
 
-The negative control runs the same workload with a plain read and write: the resumed stale
-owner's write lands, the counter loses increments, and the checker reports the stale write.
+The negative control runs the same workload with a plain read and write (and a 0.1 s window, so
+that the holder's pauses land in it): the resumed stale owner's write lands, the counter loses
+increments, and the checker reports the stale write.
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ TTL = 1.0
 WORKERS = 4
 CONCURRENCY = 4
 N = {"redis": 400, "postgres": 100}
-NEGATIVE_N = 360  # at most, in waves of 60 until an update is lost
+NEGATIVE_N = 600  # at most, in waves of 30 until an update is lost
 WINDOW = 0.02  # seconds between the read and the write of an increment
+# The negative control's window: most of an increment's time, so that most pauses of the holder
+# land between its read and its write (with 0.02 s, CI once ran 360 plain increments, 6 waves,
+# without a pause landing there).
+NEGATIVE_WINDOW = 0.1
 
 
 class Nemesis:
@@ -139,6 +144,7 @@ def run_counter(
     holder_share: float = 0.5,
     wave: int | None = None,
     until_stale: bool = False,
+    window: float = WINDOW,
 ) -> dict[str, Any]:
     """Run ``n`` increments under the nemesis; returns what the assertions need.
 
@@ -175,7 +181,7 @@ def run_counter(
             first = len(results)
             size = n - first if wave is None else min(wave, n - first)
             results += [
-                task.apply_async((i, WINDOW), queue=queue) for i in range(first, first + size)
+                task.apply_async((i, window), queue=queue) for i in range(first, first + size)
             ]
             while (done := coord.hlen(acked)) < len(results):  # acknowledged as SUCCESS
                 assert time.monotonic() < deadline, f"{done} of {len(results)} acknowledged"
@@ -291,7 +297,7 @@ def test_negative_control_unfenced_counter_loses_updates(
 ):
     """The same increments with a plain read and write: a stale write lands, updates are lost.
 
-    (The nemesis always pauses the lease holder, and increments go in waves of 60 until one
+    (The nemesis always pauses the lease holder, and increments go in waves of 30 until one
     is lost, so that the anomaly shows within a short run.)
     """
     seed = random.randrange(1 << 30)
@@ -299,8 +305,8 @@ def test_negative_control_unfenced_counter_loses_updates(
     run = run_counter(
         it_app, make_sink, start_worker, store_env, events, coord, queue, tmp_path, request,
         "redis",
-        it_app.eo.plain_increment, NEGATIVE_N, seed, holder_share=1.0, wave=60,
-        until_stale=True,
+        it_app.eo.plain_increment, NEGATIVE_N, seed, holder_share=1.0, wave=30,
+        until_stale=True, window=NEGATIVE_WINDOW,
     )  # fmt: skip
     stale = [v for v in run["report"].violations if "stale write" in v]
     print(
