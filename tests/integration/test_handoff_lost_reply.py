@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unique
-from tests.integration.harness import backend_meta
+from tests.integration.harness import backend_meta, explain_stuck
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
@@ -41,9 +41,9 @@ def test_a_copy_of_a_claim_whose_listing_reply_was_lost_ends_unrun(
     with TcpProxy(port) as proxy:
         env_b = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"])}
         qa, qb = queue + "a", queue + "b"
-        start_worker(env, queue=qa, pool="threads", concurrency=3)
+        worker_a = start_worker(env, queue=qa, pool="threads", concurrency=3)
         worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
-        start_worker(env, queue=qb + ".lease-wake", pool="threads", concurrency=3)  # C
+        worker_c = start_worker(env, queue=qb + ".lease-wake", pool="threads", concurrency=3)
         n = unique("lr")
         # B's connection and scripts are warm: the lost reply is the claim's own
         assert it_app.fifo_hold.apply_async((n + "w", 9, 0.0), queue=qb).get(timeout=30) == 9
@@ -65,17 +65,27 @@ def test_a_copy_of_a_claim_whose_listing_reply_was_lost_ends_unrun(
             30,
             "W' to be sent again",
         )
-        for i in range(3):  # B's threads busy: the wake goes to C
-            it_app.plain_step.apply_async((n, 100 + i, 6.0), queue=qb)
+        # B's threads busy until K ended (and its prefetch full: acks_late), so the wake
+        # goes to C. (They were busy for 6 s before: CI once waited 30 s for K, and a wake
+        # that came after they ended could go to B, whose replies are lost.)
+        go_b = events.key_for("go-b")
+        for i in range(3):
+            it_app.plain_step.apply_async((n, 100 + i, 0.0, go_b), queue=qb)
         wait_for(lambda: len(events.where(ev="enter", res=n, plain=True)) == 3, 30, "blockers")
         coord.rpush(go_h, 1)  # H releases: wakes the place W's lost claim listed
-        events.wait(ev="enter", res=n, k=1, timeout=30)
+        try:
+            events.wait(ev="enter", res=n, k=1, timeout=30)
+        except TimeoutError:
+            workers = [worker_a, worker_b, worker_c]
+            why = explain_stuck(it_app.app, [waiter.id], workers=workers, tail=30)
+            raise AssertionError(f"K never ran:\n{why}") from None
 
         def state() -> str:
             return str(backend_meta(it_app.app, [waiter.id])[waiter.id]["status"])
 
         wait_for(lambda: state() in ("SUCCESS", "FAILURE"), 30, "K to end")
         after_k = state()
+        coord.rpush(go_b, 1, 1, 1)  # B may run W' again
         wait_for(lambda: events.where(ev="callback"), 30, "K's callback")
         ended = events.where(ev="callback")[0]["t"]
         if heal == "late":  # W' meets the store failing again after K's final state

@@ -1191,10 +1191,17 @@ def route_probe(self: Any, n: int, k: int, hold: float, retry_to: Any = None) ->
 
 
 @app.task
-def plain_step(n: int, k: int, hold: float) -> int:
-    """A plain task (no lease): one message of a backlog, reported when it starts."""
+def plain_step(n: int, k: int, hold: float, go: str = "") -> int:
+    """A plain task (no lease): one message of a backlog, reported when it starts; it takes
+    ``hold`` s, or with ``go`` until the test pushes to that coordination list (up to 120 s)."""
     report("enter", res=n, k=k, plain=True)
-    time.sleep(hold)
+    if not go:
+        time.sleep(hold)
+        return k
+    deadline = time.monotonic() + 120
+    while not coord().blpop([go], timeout=1):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody pushed {go}")
     return k
 
 
