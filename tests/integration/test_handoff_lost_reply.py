@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import unique
-from tests.integration.harness import backend_meta, explain_stuck
+from tests.integration.harness import backend_meta, explain_stuck, worker_store
 from tests.tooling.servers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.redis]
@@ -39,7 +39,11 @@ def test_a_copy_of_a_claim_whose_listing_reply_was_lost_ends_unrun(
         env["CL_LISTED_ON_LOSS"] = "off"
     port = int(env["CL_STORE"].rsplit(":", 1)[1].split("/")[0])
     with TcpProxy(port) as proxy:
-        env_b = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"])}
+        # B makes no pass over the wait lists: a pass's reply lost (and its connection reset)
+        # just before W's claim made that claim open a new connection, whose handshake reply
+        # was lost, so it never reached the store (seen in a rehearsal: W never listed, K
+        # never sent). W's claim must be the only call B makes after lose_replies.
+        env_b = {**env, "CL_STORE": proxy.url_for(env["CL_STORE"]), "CL_PASS_THE_TURN": "0"}
         qa, qb = queue + "a", queue + "b"
         worker_a = start_worker(env, queue=qa, pool="threads", concurrency=3)
         worker_b = start_worker(env_b, queue=qb, pool="threads", concurrency=3)
@@ -65,6 +69,12 @@ def test_a_copy_of_a_claim_whose_listing_reply_was_lost_ends_unrun(
             30,
             "W' to be sent again",
         )
+        store = worker_store(env)
+        try:
+            listed = [w.identity for w in store.waiters(f"fifo-{n}")]
+        finally:
+            store.close()
+        assert listed == [waiter.id], f"W's lost claim must have listed its place: {listed}"
         # B's threads busy until K ended (and its prefetch full: acks_late), so the wake
         # goes to C. (They were busy for 6 s before: CI once waited 30 s for K, and a wake
         # that came after they ended could go to B, whose replies are lost.)
