@@ -152,8 +152,7 @@ def test_a_releaser_killed_after_its_early_wake_leaves_the_waiter_to_run_once(
 
 BACKLOG = 60  # plain messages on worker B's 2 threads
 #: Each backlog message's length: 4.5 s of queue with the wake queue (1.5 s, a loaded CI box
-#: ran through before the early copy's refusal and resend); 1.5 s in the negative control (at
-#: 4.5 s a CI run saw its W run before the last 24 backlog messages, not understood yet).
+#: ran through before the early copy's refusal and resend); 1.5 s in the negative control.
 BACKLOG_STEP = {"wake_queue": 0.15, "negative_control": 0.05}
 
 
@@ -176,7 +175,17 @@ def test_an_early_copys_retry_does_not_wait_behind_its_queues_backlog(
     running. Negative control (``CL_EARLY_RETRY_ROUTE=own``: sent again on its task queue):
     it runs only after the whole backlog, as it did before (seen in bench_hot.py as 0.5-0.8 s
     hand-off gaps at a burst's start on PostgreSQL)."""
-    extra_b = {"CL_EARLY_RETRY_ROUTE": "own"} if route == "negative_control" else {}
+    # (the negative control without the turn checks and passes, and with its back-stop copy
+    # 30 s away: either runs W ahead of a backlog that takes longer than the grace (2 s) or
+    # the back-stop delay (10 s). Two CI runs saw W before the backlog's last 24 and last 6
+    # messages; with 400 messages here, W ran after 112 of them, and with the turn checks
+    # off, after 356.)
+    off = (
+        {"CL_PASS_THE_TURN": "0", "CL_TTL": "30", "CL_BACKOFF_CAP": "30"}
+        if route == "negative_control"
+        else {}
+    )
+    extra_b = {"CL_EARLY_RETRY_ROUTE": "own", **off} if route == "negative_control" else {}
     _, entered, result, worker_b = _hand_over(
         it_app,
         start_worker,
@@ -185,7 +194,7 @@ def test_an_early_copys_retry_does_not_wait_behind_its_queues_backlog(
         queue,
         coord,
         extra_b,
-        {},
+        off,
         kind,
         BACKLOG,
         BACKLOG_STEP[route],
