@@ -305,11 +305,15 @@ def _kill_the_releaser(it_app, start_worker, events, env, queue, tmp_path, n):
     """Worker A (threads) releases fifo-<n> and is SIGKILLed before its wake, holding the
     back-stop copies of waiters 1-3; returns once it is dead."""
     doomed = start_worker(_killer(env, tmp_path), queue=queue, pool="threads", concurrency=2)
-    holder = it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    # (the holder releases once the three are listed: with a fixed 1 s hold, a loaded CI box
+    # had not refused waiter 2 or 3 before the kill, which took its message down with it)
+    go = events.key_for(f"go-{n}")
+    holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)
     events.wait(ev="enter", res=n, k=0)
     for k in range(1, 4):
         waiter = it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue)
         events.wait(ev="retry", task=waiter.id)
+    events.client.rpush(go, 1)
     wait_for((tmp_path / "once.before_wake").exists, 30, "the releaser to die at its wake")
     wait_for(lambda: doomed.proc.poll() is not None, 10, "the releaser's process to end")
     del holder
