@@ -175,17 +175,14 @@ def test_an_early_copys_retry_does_not_wait_behind_its_queues_backlog(
     running. Negative control (``CL_EARLY_RETRY_ROUTE=own``: sent again on its task queue):
     it runs only after the whole backlog, as it did before (seen in bench_hot.py as 0.5-0.8 s
     hand-off gaps at a burst's start on PostgreSQL)."""
-    # (the negative control without the turn checks and passes, and with its back-stop copy
-    # 30 s away: either runs W ahead of a backlog that takes longer than the grace (2 s) or
-    # the back-stop delay (10 s). Two CI runs saw W before the backlog's last 24 and last 6
-    # messages; with 400 messages here, W ran after 112 of them, and with the turn checks
-    # off, after 356.)
-    off = (
-        {"CL_PASS_THE_TURN": "0", "CL_TTL": "30", "CL_BACKOFF_CAP": "30"}
-        if route == "negative_control"
-        else {}
-    )
-    extra_b = {"CL_EARLY_RETRY_ROUTE": "own", **off} if route == "negative_control" else {}
+    # (both without the turn checks and passes, and with W's back-stop copy 30 s away: either
+    # runs W ahead of a backlog that takes longer than the grace (2 s) or the back-stop delay
+    # (10 s), whatever route its early copy took. Two CI runs saw the control's W before the
+    # backlog's last 24 and last 6 messages; with 400 messages here, W ran after 112 of them,
+    # and with the turn checks off, after 356. A reviewer saw the wake_queue variant pass
+    # with the own route: the turn check ran W about 3 s in, ahead of its 4.5 s backlog.)
+    off = {"CL_PASS_THE_TURN": "0", "CL_TTL": "30", "CL_BACKOFF_CAP": "30"}
+    extra_b = {"CL_EARLY_RETRY_ROUTE": "own", **off} if route == "negative_control" else off
     _, entered, result, worker_b = _hand_over(
         it_app,
         start_worker,
