@@ -48,12 +48,16 @@ BOUND = 25.0
 
 
 def _queue_up(it_app, events, queue, n):
-    holder = it_app.fifo_hold.apply_async((n, 0, 1.0), queue=queue)
+    """The holder (k=0) releases once WAITERS waiters are listed (a fixed hold could end
+    before a loaded box listed them all, and the kill at its wake would take the rest)."""
+    go = events.key_for(f"go-{n}")
+    holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)
     events.wait(ev="enter", res=n, k=0)
     waiters = []
     for k in range(1, WAITERS + 1):
         waiters.append(it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue))
         events.wait(ev="retry", task=waiters[-1].id)
+    events.client.rpush(go, 1)
     return holder, waiters
 
 
