@@ -47,14 +47,14 @@ WAITERS = 6
 BOUND = 25.0
 
 
-def _queue_up(it_app, events, queue, n):
-    """The holder (k=0) releases once WAITERS waiters are listed (a fixed hold could end
+def _queue_up(it_app, events, queue, n, count=WAITERS):
+    """The holder (k=0) releases once ``count`` waiters are listed (a fixed hold could end
     before a loaded box listed them all, and the kill at its wake would take the rest)."""
     go = events.key_for(f"go-{n}")
     holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)
     events.wait(ev="enter", res=n, k=0)
     waiters = []
-    for k in range(1, WAITERS + 1):
+    for k in range(1, count + 1):
         waiters.append(it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue))
         events.wait(ev="retry", task=waiters[-1].id)
     events.client.rpush(go, 1)
@@ -309,15 +309,9 @@ def _kill_the_releaser(it_app, start_worker, events, env, queue, tmp_path, n):
     """Worker A (threads) releases fifo-<n> and is SIGKILLed before its wake, holding the
     back-stop copies of waiters 1-3; returns once it is dead."""
     doomed = start_worker(_killer(env, tmp_path), queue=queue, pool="threads", concurrency=2)
-    # (the holder releases once the three are listed: with a fixed 1 s hold, a loaded CI box
-    # had not refused waiter 2 or 3 before the kill, which took its message down with it)
-    go = events.key_for(f"go-{n}")
-    holder = it_app.fifo_gate.apply_async((n, 0, go), queue=queue)
-    events.wait(ev="enter", res=n, k=0)
-    for k in range(1, 4):
-        waiter = it_app.fifo_hold.apply_async((n, k, 0.1), queue=queue)
-        events.wait(ev="retry", task=waiter.id)
-    events.client.rpush(go, 1)
+    # (with a fixed 1 s hold, a loaded CI box had not refused waiter 2 or 3 before the kill,
+    # which took its message down with it)
+    holder, _waiters = _queue_up(it_app, events, queue, n, 3)
     wait_for((tmp_path / "once.before_wake").exists, 30, "the releaser to die at its wake")
     wait_for(lambda: doomed.proc.poll() is not None, 10, "the releaser's process to end")
     del holder

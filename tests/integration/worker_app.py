@@ -392,6 +392,16 @@ def _on_failure(sender: Any = None, task_id: Any = None, exception: Any = None, 
     _report_outcome("failure", task_id, getattr(sender, "name", None), exception)
 
 
+def wait_pushed(go: str, timeout: float = 60.0, block: float = 1.0) -> None:
+    """Block until the test pushes to the coordination list ``go`` (one push each); a
+    TimeoutError naming it after ``timeout`` s. (``block``: one BLPOP's wait, below the
+    client's socket timeout.)"""
+    deadline = time.monotonic() + timeout
+    while not coord().blpop([go], timeout=block):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody pushed {go}")
+
+
 def wait_for_key(key: str, timeout: float = 60.0, poll: float = 0.002) -> None:
     """Busy-poll a coordination key without touching the lease (a paused owner's view)."""
     deadline = time.monotonic() + timeout
@@ -983,10 +993,7 @@ def touch_together(n: int, go: str, timeout: float = 60.0) -> int:
     """Claims conn-<n>, reports ``waiting`` and blocks until the test pushes to list ``go``
     (once per task): tasks let go by one push end, and ack, at the same moment."""
     report("waiting", res=n)
-    deadline = time.monotonic() + timeout
-    while not coord().blpop([go], timeout=2):  # (below the client's socket timeout)
-        if time.monotonic() > deadline:
-            raise TimeoutError(go)
+    wait_pushed(go, timeout, block=2)
     return current_lease().fence
 
 
@@ -1093,10 +1100,7 @@ def fifo_few_waits(self: Any, n: int, k: int, hold: float) -> int:
 def fifo_gate(self: Any, n: str, k: int, go: str, timeout: float = 120.0) -> int:
     """Holds fifo-<n> until the test pushes to the coordination list ``go``."""
     report("enter", res=n, k=k, task=self.request.id)
-    deadline = time.monotonic() + timeout
-    while not coord().blpop([go], timeout=1):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nobody pushed {go}")
+    wait_pushed(go, timeout)
     report("exit", res=n, k=k, task=self.request.id)
     return k
 
@@ -1195,13 +1199,10 @@ def plain_step(n: int, k: int, hold: float, go: str = "") -> int:
     """A plain task (no lease): one message of a backlog, reported when it starts; it takes
     ``hold`` s, or with ``go`` until the test pushes to that coordination list (up to 120 s)."""
     report("enter", res=n, k=k, plain=True)
-    if not go:
+    if go:
+        wait_pushed(go, 120)
+    else:
         time.sleep(hold)
-        return k
-    deadline = time.monotonic() + 120
-    while not coord().blpop([go], timeout=1):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nobody pushed {go}")
     return k
 
 
@@ -1209,10 +1210,8 @@ def plain_step(n: int, k: int, hold: float, go: str = "") -> int:
 def _unique_body(task: Any, n: str, go: str, fail: bool = False) -> str:
     """Reports enter, waits for the test's ``go`` (when given), reports exit."""
     report("enter", res=n, task=task.request.id, retries=task.request.retries)
-    deadline = time.monotonic() + 60
-    while go and not coord().blpop([go], timeout=1):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nobody pushed {go}")
+    if go:
+        wait_pushed(go)
     report("exit", res=n, task=task.request.id)
     if fail:
         raise ValueError("the body failed")
@@ -1327,10 +1326,7 @@ def _readme_sleep(name: str, go: str, value: Any) -> Any:
 
     task_id = current_task.request.id if current_task else None
     report("enter", res=name, task=task_id)
-    deadline = time.monotonic() + 60
-    while not coord().blpop([go], timeout=1):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nobody pushed {go}")
+    wait_pushed(go)
     report("exit", res=name, task=task_id)
     return value
 
