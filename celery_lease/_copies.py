@@ -253,7 +253,14 @@ def task_state(task: Any, request: Any, woken: bool = False) -> str | None:
 def drop_finished(
     task: Any, request: Any, resource: str, state: str, lease: Lease | None = None
 ) -> NoReturn:
-    """End this copy unrun: its task id already ended ``state`` (another copy ran it)."""
+    """End this copy unrun: its task id already ended ``state`` (another copy ran it).
+
+    With ``lease`` (this copy claimed), the lease is given back with the identity's record
+    as found, except after a SUCCESS: the copy that ran the body to its end stored it, but
+    its release recorded nothing (it was paused before it, and another copy had taken the
+    identity over since), so the record is completed with the result the backend holds;
+    left as found, it would say ``retry`` for good and a later delivery sharing the identity
+    would run the body again."""
     events.count("celery_lease_duplicates_total")
     _execution.log_event(
         task,
@@ -268,10 +275,25 @@ def drop_finished(
         why=f"its task id already ended {state} in the result backend (another copy of it "
         "ran, or gave up): running it again would repeat that or store over it",
     )
-    if lease is not None:  # give it back with the identity's record as found
+    if lease is not None:
         found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
-        _execution.release(task, lease, found, None)
+        stored = stored_success(task, request) if state == states.SUCCESS else None
+        if stored is not None:
+            _execution.release(task, lease, "done", stored[0])
+        else:  # give it back with the identity's record as found
+            _execution.release(task, lease, found, None)
     raise Ignore(f"task {request.id} already ended {state}: a copy of it ends unrun")
+
+
+def stored_success(task: Any, request: Any) -> tuple[Any] | None:
+    """The result of this task id's SUCCESS in the result backend, in a 1-tuple (None: not
+    SUCCESS there now, or the read failed)."""
+    try:
+        meta = task.backend.get_task_meta(request.id, cache=False)
+    except Exception:  # (the backend failed: the record stays as found)
+        log.debug("task %s[%s]: reading its result failed", task.name, request.id, exc_info=True)
+        return None
+    return (meta.get("result"),) if meta.get("status") == states.SUCCESS else None
 
 
 def sibling_may_have_given_up(

@@ -250,3 +250,58 @@ def crash_after_intent(app, resource, identity, key):
     lease = store.acquire(resource, Owner.new("crashed"), 5, identity=identity)
     assert store.effect_begin(lease, key)[0] == "new"
     store.release(lease, outcome="retry")
+
+
+class TestACopyOfASucceededRun:
+    """Two copies of one execution and a pause: copy A runs the body to its end and is paused
+    before its release; its lease runs out and copy B claims, and is itself lost before its
+    body's end (it records ``retry``); A resumes, its release finds the identity B's and
+    records nothing, and Celery stores A's SUCCESS. The next copy (B's woken or back-stop
+    sibling) claims, finds ``retry`` and the backend's SUCCESS, and ends unrun, as before. It
+    now records the identity done with that SUCCESS's result, so a later delivery sharing the
+    identity returns it without running the body. Before, the record was given back as found
+    (``retry``) and stayed so: seen in CI (the lost-update counter on PostgreSQL, an
+    acknowledged increment's identity never done)."""
+
+    def test_its_identity_ends_done_with_the_result_the_run_stored(self, app):
+        from celery.exceptions import Ignore
+
+        from celery_lease._codec import decode
+
+        runs = []
+
+        @lease_task(app=app, resource="sr:{n}", bind=True, shared=False, name="proj.sr")
+        def step(self, n):
+            runs.append(self.request.id)
+            return {"n": n, "fence": current_lease().fence}
+
+        store, task_id = get_store(app), unique("id")
+        # B's claim, lost before its body's end; A's SUCCESS stored by Celery.
+        lost = store.acquire("sr:1", Owner.new(f"w1@host:11:{task_id}"), 5, identity=task_id)
+        assert store.release(lost, outcome="retry")
+        stored = {"n": 1, "fence": lost.fence - 1}
+        step.backend.store_result(task_id, stored, "SUCCESS")
+        # The next copy: a woken copy of the same attempt.
+        step.push_request(
+            id=task_id,
+            args=(1,),
+            kwargs={},
+            retries=0,
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "celery"},
+            headers={"celery_lease_waits": 1, "celery_lease_woken_at": 1.0},
+        )
+        try:
+            with pytest.raises(Ignore):
+                step(1)
+        finally:
+            step.pop_request()
+        assert runs == []
+        info = store.identity_get("sr:1", task_id)
+        assert info is not None and info.state == "done", info
+        assert decode(info.result) == stored
+        held = store.get("sr:1")
+        assert held is None or held.released, held  # given back
+        # A new message of the same task id (sent again) returns the result, unrun.
+        assert step.apply((1,), task_id=task_id).get() == stored and runs == []
