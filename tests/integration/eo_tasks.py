@@ -223,7 +223,16 @@ def _arm_failpoints_once(
 
 # -- one counter, many executors, a pausing nemesis -----------------------------------------------
 def counter_reconcile(key: str, lease: Lease) -> Any:
-    """Did the earlier owner's increment land? The applied record says so."""
+    """Did the earlier owner's increment land? Stamp the fence, then read the applied record
+    (see Sink.fence_then_applied: looked at first, a frozen owner's write could land after)."""
+    i = int(key.split(":", 1)[1])
+    found = sink().fence_then_applied(i, lease)
+    hist(op="reconcile", i=i, found=len(found))
+    return REDO if not found else found[0]
+
+
+def plain_counter_reconcile(key: str, lease: Lease) -> Any:
+    """The negative control's: the applied record, read without a stamp (no fences there)."""
     i = int(key.split(":", 1)[1])
     with shielded():  # (a driver call: see Sink._increment_sql)
         found = sink().applied(i)
@@ -256,7 +265,7 @@ def fenced_increment(self: Any, i: int, window: float = 0.01) -> dict[str, Any]:
     app=app,
     resource="counter",
     bind=True,
-    reconcile_effect=counter_reconcile,
+    reconcile_effect=plain_counter_reconcile,
     lost_max_retries=50,
     busy_max_waits=5000,
 )

@@ -460,7 +460,7 @@ def explain_stuck(
         counts = {t: sum(t in line for line in lines) for t in trouble}
         own = [line for line in lines if line.startswith("[")]  # (log records, not stderr)
         out.append(f"{name} log: {counts}; its last {tail} records:")
-        out += [f"  {line}" for line in own[-tail:]]
+        out += [f"  {line}" for line in own[-tail:]] if tail else []  # (own[-0:] is all)
     return "\n".join(out)
 
 

@@ -274,6 +274,29 @@ class Sink:
         hist(op="effect", idem=f"inc-{i}", result="ok", fence=lease.fence)
         return {"value": value, "fence": lease.fence}
 
+    def fence_then_applied(self, i: int, lease: Lease) -> list[dict[str, Any]]:
+        """Reconcile increment ``i`` for ``lease``: stamp the fence, then read ``applied(i)``.
+
+        An earlier owner of the counter may be frozen with its write still to come (or, on
+        PostgreSQL, written and not yet committed: its transaction holds the row). Read first,
+        the answer could be "not applied" while that write lands right after, and the new
+        owner's REDO applies the increment a second time (seen: counter 101 after 100
+        increments). Once the stamp is in, that write is refused; on PostgreSQL the stamp also
+        waits for the open transaction to end, so the read sees what it committed.
+        """
+        if self.sql:
+            table = self.counter_table
+            with shielded(), self.engine.connect() as conn:
+                conn.begin()
+                self._stamp(
+                    lambda: fenced_update(conn, table, table.c.id == 1, {}, lease), i, lease
+                )
+                conn.commit()
+        else:
+            client, key = coord(), self.key("counter")
+            self._stamp(lambda: fenced_hset(client, key, {}, lease), i, lease)
+        return self.applied(i)
+
     def applied(self, i: int) -> list[dict[str, Any]]:
         """Every application of increment ``i`` found at the counter: ``[{value, fence}]``."""
         if self.sql:

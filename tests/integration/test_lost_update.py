@@ -5,7 +5,9 @@ resource. Each increment is a ledgered effect (``lease.effect(f"inc:{i}")``) doi
 read-modify-write of the counter at the side effect: stamp the fence (a fenced write of nothing),
 read, wait a short window, write value + 1 and an ``applied`` record of the increment in one
 fenced write (``fenced_hset`` on a Redis hash; ``fenced_update`` and an insert in one transaction
-on a PostgreSQL row). The ``reconcile_effect`` hook reads the ``applied`` record. A body caught
+on a PostgreSQL row). The ``reconcile_effect`` hook stamps the fence, then reads the ``applied``
+record (read first, a frozen earlier owner's write could land, or commit, right after it said
+REDO: counter 101 after 100 increments on PostgreSQL, once in three loaded runs). A body caught
 by a lease interrupt in the window ignores it (as a call that cannot be interrupted would), so
 only the fence stands between a resumed stale owner and the counter.
 
