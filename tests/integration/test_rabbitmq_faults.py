@@ -75,6 +75,12 @@ def close_connections_of(server: Any, pid: int) -> int:
     return closed
 
 
+def wait_for_queues(predicate: Any, timeout: float, what: str) -> Any:
+    """``wait_for`` a predicate over ``rabbitmqctl list_queues`` (one call per look, please):
+    at least 5 looks, half a second apart, however long each call takes on a loaded box."""
+    return wait_for(predicate, timeout, what, interval=0.5, min_polls=5)
+
+
 def drained(vhost: Any, *names: str) -> bool:
     """Whether RabbitMQ holds no message of these queues, ready or unacked."""
     queues = vhost.queues()
@@ -198,7 +204,7 @@ def test_a_copy_redelivered_while_the_original_runs_is_rearmed_and_never_runs_tw
             wait_for(lambda: events.where(ev="retry", task=result.id), 30, "the copy re-armed")
         coord.set(go, 1)
         outcome = result.get(timeout=60)
-        wait_for(lambda: drained(amqp_vhost, queue), 60, "every copy consumed")
+        wait_for_queues(lambda: drained(amqp_vhost, queue), 60, "every copy consumed")
     body_runs = runs(coord, events, n, 0)
     retries = events.where(ev="retry", task=result.id)
     print(
@@ -302,7 +308,7 @@ def test_a_waiter_held_past_consumer_timeout_is_not_lost_and_runs_once(
         events.wait(30, ev="start", task=waiter.id, redelivered=True)
         coord.set(go, 1)
         outcomes = [holder.get(timeout=60), waiter.get(timeout=60)]
-        wait_for(lambda: drained(timeout_vhost, queue, queue + ".lease-wake"), 60, "drained")
+        wait_for_queues(lambda: drained(timeout_vhost, queue, queue + ".lease-wake"), 60, "drained")
     counts = [runs(coord, events, n, 0), runs(coord, events, n, 1)]
     redelivered = [e for e in events.where(ev="start") if e["redelivered"]]
     print(f"dedup={dedup}: bodies ran {counts}; {len(redelivered)} redelivered copies")
@@ -409,14 +415,15 @@ def test_waiters_run_in_line_through_the_wake_queue_and_a_cancelled_worker_gets_
     try:
         control.control.cancel_consumer(queue, destination=[node(a)], reply=True, timeout=10)
         wake = queue + ".lease-wake"
-        wait_for(
-            lambda: (
-                amqp_vhost.queues().get(wake, {}).get("consumers") == ("2" if cancel_wake else "3")
-                and amqp_vhost.queues().get(queue, {}).get("consumers") == "2"
-            ),
-            20,
-            "A's consumer of Q cancelled",
-        )
+
+        def cancelled() -> bool:
+            queues = amqp_vhost.queues()
+            return (
+                queues.get(wake, {}).get("consumers") == ("2" if cancel_wake else "3")
+                and queues.get(queue, {}).get("consumers") == "2"
+            )
+
+        wait_for_queues(cancelled, 20, "A's consumer of Q cancelled")
         n, go = unique("f"), events.key_for("go")
         results = [control.send_task(it_app.fifo_gate.name, (n, 0, go), queue=queue)]
         events.wait(ev="enter", res=n, k=0)
@@ -477,21 +484,19 @@ def test_a_wake_stranded_when_its_only_consumer_died_runs_the_waiter_once_on_the
         events.client.rpush(go, 1)  # the holder ends: A releases, wakes the waiter, dies
         assert a.proc is not None
         wait_for(lambda: a.proc.poll() is not None, 30, "worker A killed right after its wake")
-        wait_for(
-            lambda: (
-                amqp_vhost.queues().get(wake, {}).get("consumers") == "0"
-                and amqp_vhost.queues()[wake].get("messages_ready") == "1"
-            ),
-            20,
-            "the wake stranded in Q.lease-wake, with no consumer",
-        )
+
+        def stranded() -> bool:
+            state = amqp_vhost.queues().get(wake, {})
+            return state.get("consumers") == "0" and state.get("messages_ready") == "1"
+
+        wait_for_queues(stranded, 20, "the wake stranded in Q.lease-wake, with no consumer")
         assert not _entered_k(events, n, 1), "the waiter ran before the wake was stranded"
         killed = time.monotonic()
         b = start_worker({**env, "CL_WAKE_QUEUE": "1" if consumes_wake else "0"}, queue=queue)
         assert waiter.get(timeout=60) == 1
         ran_after = time.monotonic() - killed
         # drained (ready and unacked): B has acked the back-stop copy, run or dropped
-        wait_for(lambda: drained(amqp_vhost, queue), 30, "the back-stop copy taken from Q")
+        wait_for_queues(lambda: drained(amqp_vhost, queue), 30, "the back-stop copy taken from Q")
     entered = _entered_k(events, n, 1)
     queues = amqp_vhost.queues()
     print(

@@ -46,15 +46,19 @@ def free_port() -> int:
             return port
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):  # type: ignore[no-untyped-def]
-    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes."""
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02, min_polls: int = 1):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes, and at least
+    ``min_polls`` polls were made: a slow predicate (``rabbitmqctl`` starts an Erlang VM per
+    call: 13-32 s a call on a box at load 15) still gets that many looks."""
     deadline = time.monotonic() + timeout
+    polls = 0
     while True:
         value = predicate()
+        polls += 1
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        if time.monotonic() > deadline and polls >= min_polls:
+            raise TimeoutError(f"timed out after {timeout}s ({polls} looks) waiting for {what}")
         time.sleep(interval)
 
 
