@@ -256,11 +256,13 @@ def drop_finished(
     """End this copy unrun: its task id already ended ``state`` (another copy ran it).
 
     With ``lease`` (this copy claimed), the lease is given back with the identity's record
-    as found, except after a SUCCESS: the copy that ran the body to its end stored it, but
-    its release recorded nothing (it was paused before it, and another copy had taken the
-    identity over since), so the record is completed with the result the backend holds;
-    left as found, it would say ``retry`` for good and a later delivery sharing the identity
-    would run the body again."""
+    as found, except after a SUCCESS when the identity is the task id (the default): the
+    copy that ran the body to its end stored it, but its release recorded nothing (it was
+    paused before it, and another copy had taken the identity over since), so the record is
+    completed with the result the backend holds; left as found, it would say ``retry`` for
+    good and a later delivery of the task id would run the body again. Another identity (a
+    template, an idempotency key) is left as found: the task id's SUCCESS may be another
+    identity's run (the task id sent again under a new key) and must not end this one."""
     events.count("celery_lease_duplicates_total")
     _execution.log_event(
         task,
@@ -277,7 +279,8 @@ def drop_finished(
     )
     if lease is not None:
         found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
-        stored = stored_success(task, request) if state == states.SUCCESS else None
+        own = state == states.SUCCESS and lease.identity == request.id
+        stored = stored_success(task, request) if own else None
         if stored is not None:
             _execution.release(task, lease, "done", stored[0])
         else:  # give it back with the identity's record as found

@@ -305,3 +305,72 @@ class TestACopyOfASucceededRun:
         assert held is None or held.released, held  # given back
         # A new message of the same task id (sent again) returns the result, unrun.
         assert step.apply((1,), task_id=task_id).get() == stored and runs == []
+
+    @staticmethod
+    def deliver_woken(task, task_id, args, headers):
+        """A woken copy at its last allowed wait (busy_max_waits 1000): it reads the backend."""
+        from celery.exceptions import Ignore
+
+        task.push_request(
+            id=task_id,
+            args=args,
+            kwargs={},
+            retries=0,
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "celery"},
+            headers={"celery_lease_waits": 1000, "celery_lease_woken_at": 1.0, **headers},
+        )
+        try:
+            with pytest.raises(Ignore):
+                task(*args)
+        finally:
+            task.pop_request()
+
+    def test_an_idempotency_key_is_not_ended_by_the_task_ids_success_under_another(self, app):
+        """The task id ran under key K1 and was sent again under K2 (new work): its copy
+        that ends on the old SUCCESS leaves K2 as found, and K2 runs when delivered again.
+        (Found by review of the first version, which recorded K2 done with K1's result.)"""
+        runs = []
+
+        @lease_task(app=app, resource="ik:{n}", bind=True, shared=False, name="proj.ik")
+        def send(self, n):
+            runs.append(self.request.headers.get("idempotency_key"))
+            return {"n": n, "key": self.request.headers.get("idempotency_key")}
+
+        store, task_id = get_store(app), unique("id")
+        first = send.apply((1,), task_id=task_id, **headers("K1")).get()
+        send.backend.store_result(task_id, first, "SUCCESS")
+        self.deliver_woken(send, task_id, (1,), {"idempotency_key": "K2"})
+        info = store.identity_get("ik:1", "K2")
+        assert info is None or info.state != "done", info
+        assert send.apply((1,), **headers("K2")).get() == {"n": 1, "key": "K2"}
+        assert runs == ["K1", "K2"]
+
+    def test_another_task_ids_owed_run_under_a_shared_identity_still_runs(self, app):
+        """identity="invoice:{n}": T2's run is owed (its claim was lost: ``retry``) when a
+        late copy of T1, which succeeded long ago, ends on T1's SUCCESS: the record stays
+        T2's and T2 runs. (Found by review of the first version: T2 got T1's result.)"""
+        runs = []
+
+        @lease_task(
+            app=app,
+            resource="tb:{n}",
+            identity="invoice:{n}",
+            bind=True,
+            shared=False,
+            name="proj.tb",
+        )
+        def bill(self, n):
+            runs.append(self.request.id)
+            return {"n": n, "by": self.request.id}
+
+        store, t1, t2 = get_store(app), unique("t1"), unique("t2")
+        bill.backend.store_result(t1, {"n": 1, "by": t1}, "SUCCESS")
+        lost = store.acquire("tb:1", Owner.new(f"w1@host:11:{t2}"), 5, identity="invoice:1")
+        assert store.release(lost, outcome="retry")
+        self.deliver_woken(bill, t1, (1,), {})
+        info = store.identity_get("tb:1", "invoice:1")
+        assert info is not None and info.state != "done", info
+        assert bill.apply((1,), task_id=t2).get() == {"n": 1, "by": t2}
+        assert runs == [t2]
