@@ -278,12 +278,12 @@ def drop_finished(
         "ran, or gave up): running it again would repeat that or store over it",
     )
     if lease is not None:
-        found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
         own = state == states.SUCCESS and lease.identity == request.id
         stored = stored_success(task, request) if own else None
         if stored is not None:
             _execution.release(task, lease, "done", stored[0])
         else:  # give it back with the identity's record as found
+            found = identity_outcome(lease.identity_state or "retry", lease.identity_attempt)
             _execution.release(task, lease, found, None)
     raise Ignore(f"task {request.id} already ended {state}: a copy of it ends unrun")
 

@@ -263,9 +263,29 @@ class TestACopyOfASucceededRun:
     (``retry``) and stayed so: seen in CI (the lost-update counter on PostgreSQL, an
     acknowledged increment's identity never done)."""
 
-    def test_its_identity_ends_done_with_the_result_the_run_stored(self, app):
+    @staticmethod
+    def deliver_woken(task, task_id, args, headers=None, waits=1000):
+        """A woken copy of attempt 0, ``waits`` into its wait (1000: busy_max_waits, its last
+        allowed one, so it reads the backend); it must end unrun (``Ignore``)."""
         from celery.exceptions import Ignore
 
+        task.push_request(
+            id=task_id,
+            args=args,
+            kwargs={},
+            retries=0,
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"exchange": "", "routing_key": "celery"},
+            headers={"celery_lease_waits": waits, "celery_lease_woken_at": 1.0, **(headers or {})},
+        )
+        try:
+            with pytest.raises(Ignore):
+                task(*args)
+        finally:
+            task.pop_request()
+
+    def test_its_identity_ends_done_with_the_result_the_run_stored(self, app):
         from celery_lease._codec import decode
 
         runs = []
@@ -281,22 +301,7 @@ class TestACopyOfASucceededRun:
         assert store.release(lost, outcome="retry")
         stored = {"n": 1, "fence": lost.fence - 1}
         step.backend.store_result(task_id, stored, "SUCCESS")
-        # The next copy: a woken copy of the same attempt.
-        step.push_request(
-            id=task_id,
-            args=(1,),
-            kwargs={},
-            retries=0,
-            is_eager=False,
-            called_directly=False,
-            delivery_info={"exchange": "", "routing_key": "celery"},
-            headers={"celery_lease_waits": 1, "celery_lease_woken_at": 1.0},
-        )
-        try:
-            with pytest.raises(Ignore):
-                step(1)
-        finally:
-            step.pop_request()
+        self.deliver_woken(step, task_id, (1,), waits=1)  # the next copy, of the same attempt
         assert runs == []
         info = store.identity_get("sr:1", task_id)
         assert info is not None and info.state == "done", info
@@ -305,27 +310,6 @@ class TestACopyOfASucceededRun:
         assert held is None or held.released, held  # given back
         # A new message of the same task id (sent again) returns the result, unrun.
         assert step.apply((1,), task_id=task_id).get() == stored and runs == []
-
-    @staticmethod
-    def deliver_woken(task, task_id, args, headers):
-        """A woken copy at its last allowed wait (busy_max_waits 1000): it reads the backend."""
-        from celery.exceptions import Ignore
-
-        task.push_request(
-            id=task_id,
-            args=args,
-            kwargs={},
-            retries=0,
-            is_eager=False,
-            called_directly=False,
-            delivery_info={"exchange": "", "routing_key": "celery"},
-            headers={"celery_lease_waits": 1000, "celery_lease_woken_at": 1.0, **headers},
-        )
-        try:
-            with pytest.raises(Ignore):
-                task(*args)
-        finally:
-            task.pop_request()
 
     def test_an_idempotency_key_is_not_ended_by_the_task_ids_success_under_another(self, app):
         """The task id ran under key K1 and was sent again under K2 (new work): its copy
