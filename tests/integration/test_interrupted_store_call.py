@@ -34,7 +34,8 @@ def test_an_interrupt_inside_a_gate_call_leaves_the_store_usable(
     it_app, start_worker, store_env, events, queue, postgres_server
 ):
     """The body is interrupted inside FenceGate.admit; its re-run in that process still admits."""
-    env = {**store_env("postgres"), "CL_TTL": "1.0"}
+    # ttl 3: under load a renewal arriving after a 1 s ttl ran out made the reason "expired"
+    env = {**store_env("postgres"), "CL_TTL": "3.0"}
     start_worker(env, queue=queue, pool="solo")  # one process: the re-run reuses its pool
     table = f"{env['CL_TABLE_PREFIX']}fence_gate"
     gate = FenceGate(env["CL_STORE"], table_prefix=env["CL_TABLE_PREFIX"])

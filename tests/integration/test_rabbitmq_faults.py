@@ -481,9 +481,16 @@ def test_a_wake_stranded_when_its_only_consumer_died_runs_the_waiter_once_on_the
         events.wait(ev="enter", res=n, k=0)
         waiter = producer.send_task(it_app.fifo_hold.name, (n, 1, 0.05), queue=queue)
         events.wait(ev="retry", task=waiter.id)
+        # A's other thread is taken by a task on another resource until A dies: the wake A
+        # receives then waits for a free thread, unacked, and cannot run before the kill (with
+        # a free thread it once did, under load, between the wake's publish and the kill).
+        other, go_other = unique("o"), events.key_for("go-other")
+        producer.send_task(it_app.fifo_gate.name, (other, 0, go_other), queue=queue)
+        events.wait(ev="enter", res=other, k=0)
         events.client.rpush(go, 1)  # the holder ends: A releases, wakes the waiter, dies
         assert a.proc is not None
         wait_for(lambda: a.proc.poll() is not None, 30, "worker A killed right after its wake")
+        events.client.rpush(go_other, 1)  # for the blocker's copy that B runs
 
         def stranded() -> bool:
             state = amqp_vhost.queues().get(wake, {})
