@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -410,6 +411,45 @@ def broker_trouble(worker: Worker) -> list[str]:
         for line in worker.log().splitlines()
         if line.startswith("[") and any(t in line for t in BROKER_TROUBLE)
     ]
+
+
+def task_digest(workers: list[Worker], task_id: str, width: int = 190) -> list[str]:
+    """Every worker's log records naming ``task_id``, shortened and packed into lines of about
+    ``width`` characters: what CI's short tail can show of one task's story. A record keeps
+    its time (seconds), worker and process, and its message with the task's name and id cut
+    down; another task's refusal naming this one as the holder becomes ``held fN``."""
+    subject = re.compile(r"[Tt]ask [\w.]+\[([0-9a-f-]+)\]")
+    record = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:(\d\d:\d\d,\d{3}): \w+/([\w-]+)\] (.*)")
+    entries: list[tuple[str, str]] = []
+    for worker in workers:
+        for line in worker.log().splitlines():
+            m = record.match(line) if task_id in line else None
+            if m is None:
+                continue
+            when, proc, text = m.groups()
+            who = subject.search(text)
+            if who is None or who.group(1) != task_id:
+                fence = re.search(r"fence=(\d+)", text)
+                text = f"held f{fence.group(1)}" if fence else "named"
+            else:
+                text = re.sub(r'holder="[^"]*"', "holder=..", subject.sub("T", text, 1))
+            proc = proc.replace("ForkPoolWorker-", "P").replace("MainProcess", "M")
+            entries.append((when, f"{worker.name[-4:]}/{proc} {text[:100]}"))
+    entries.sort()
+    packed: list[str] = []
+    previous = ""
+    for when, entry in entries:  # (one "held" entry per holding, the first)
+        what = entry.split(" ", 1)[1]
+        if not (what.startswith("held ") and what == previous):
+            packed.append(f"{when} {entry}")
+        previous = what
+    lines, line = [], f"{task_id[:8]}:"
+    for entry in packed:
+        if len(line) + len(entry) + 3 > width:
+            lines.append(line)
+            line = ""
+        line += (" | " if line else "") + entry
+    return [*lines, line] if line else lines
 
 
 def explain_stuck(

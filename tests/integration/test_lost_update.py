@@ -57,6 +57,7 @@ from tests.integration.harness import (
     children_of,
     explain_stuck,
     sigstop,
+    task_digest,
     worker_store,
 )
 from tests.tooling.history import check, load
@@ -285,7 +286,12 @@ def test_fenced_counter_loses_and_doubles_nothing_under_pauses(
                 it_app.app, [task_id], workers=run["workers"], store=run["store"],
                 resources={task_id: "counter"}, tail=0,
             )  # fmt: skip
-            raise AssertionError(f"identity {info} of an acknowledged increment:\n{why}")
+            # (first: what CI's short tail shows, each worker's records of the task, packed)
+            digest = "\n".join(task_digest(run["workers"], task_id))
+            raise AssertionError(
+                f"identity {info and (info.state, info.fence, info.attempt)} of an acknowledged "
+                f"increment {task_id}:\n{digest}\n{why}"
+            )
         assert decode(info.result) == result
         if task_id not in clobbered:
             assert run["metas"][task_id]["result"] == result
