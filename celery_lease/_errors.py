@@ -68,11 +68,15 @@ class LeaseStoreError(LeaseError):
         refused: True when the store refused the connection (nothing listens there: it is
             down or the address is wrong) before anything of the operation was sent, so the
             operation did not happen.
+        transient: True when the store answered that it cancelled the operation's statement
+            for contention (PostgreSQL: a lock or statement timeout, a deadlock, a
+            serialization failure) and rolled it back: sent again, it may succeed.
     """
 
-    def __init__(self, message: str = "", refused: bool = False) -> None:
+    def __init__(self, message: str = "", refused: bool = False, transient: bool = False) -> None:
         super().__init__(message, refused)
         self.refused = refused
+        self.transient = transient
 
 
 #: The end of a busy claim's message; a skipped task's message leaves it out (it will not retry).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
@@ -18,7 +19,7 @@ from . import _clock, metrics
 from . import _events as events
 from . import _failpoints as failpoints
 from ._codec import encode
-from ._errors import BUSY_ADVICE, LeaseBusyError, LeaseConfigError, LeaseError
+from ._errors import BUSY_ADVICE, LeaseBusyError, LeaseConfigError, LeaseError, LeaseStoreError
 from ._eventlog import lease_log
 from ._eventlog import log as event_log
 from ._lease import Lease
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 #: and past a few seconds the round trip it saves is noise.
 EARLY_WAKE_MAX_HELD = 5.0
 _NO_EXTRA: dict[str, Any] = {}
+#: Pauses before a release the store cancelled for contention (a lock or statement timeout, a
+#: deadlock: rolled back, so safe to send again) is sent again, one per try (seconds).
+RELEASE_RETRY_PAUSES = (0.05, 0.2, 0.5)
 #: The series every release counts (looked up once, not per task).
 _RELEASED = events.Recorder(
     metrics.Series("c", "celery_lease_releases_total"),
@@ -202,12 +206,7 @@ def release(
     )
     released = False
     try:
-        released = lease.store.release(
-            lease,
-            outcome=outcome if lease.identity is not None else None,
-            result=recorded,
-            **meanwhile,
-        )
+        released = _send_release(lease, outcome, recorded, meanwhile)
         if released and event_log.isEnabledFor(logging.DEBUG):  # (not the call, when off)
             log_event(
                 task,
@@ -235,6 +234,31 @@ def release(
         failpoints.hit("before_wake")
         wake(task, payload, lease.resource, "release", lease.fence, store=lease.store)
         failpoints.hit("after_wake")
+
+
+def _send_release(
+    lease: Lease, outcome: str, recorded: str | None, meanwhile: dict[str, Any]
+) -> bool:
+    """The store's release of ``lease``, sent again after a short pause (up to
+    ``RELEASE_RETRY_PAUSES``) when the store cancelled it for contention and rolled it back
+    (``LeaseStoreError.transient``): given up at once, a finished body's ``done`` would never
+    be recorded, and a later delivery of the task would run as a takeover."""
+    assert lease.store is not None
+    for pause in (*RELEASE_RETRY_PAUSES, None):
+        try:
+            return lease.store.release(
+                lease,
+                outcome=outcome if lease.identity is not None else None,
+                result=recorded,
+                **meanwhile,
+            )
+        except LeaseStoreError as exc:
+            if pause is None or not exc.transient:
+                raise
+            log.info("release of %r sent again in %gs: %s", lease, pause, exc)
+            meanwhile = _NO_EXTRA  # (an early wake went out with the first try)
+            time.sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _wake_meanwhile(task: Any, lease: Lease, upcoming: str, sent: list[str]) -> dict[str, Any]:

@@ -155,6 +155,13 @@ class Connections:
                 "down or not listening at that address",
                 True,
             )
+        if sqlstate(exc) in CANCELLED_FOR_CONTENTION:  # (autocommit: rolled back)
+            return LeaseStoreError(
+                f"SQL lease store {self.url} cancelled a statement of {what} "
+                f"({type(exc).__name__}: {first}): it was rolled back; the server is busy or "
+                "the row is contended",
+                transient=True,
+            )
         return LeaseStoreError(
             f"SQL lease store {self.url} failed during {what}: {type(exc).__name__}: "
             f"{first}; the outcome is unknown"
@@ -443,6 +450,13 @@ def create_engine(url: str, statement_timeout: float, options: dict[str, Any]) -
             dbapi_connection.autocommit = True
 
     return engine
+
+
+#: SQLSTATEs of a statement PostgreSQL cancelled for contention: lock_not_available (lock
+#: timeout), query_canceled (statement timeout), deadlock_detected, serialization_failure. The
+#: store's statements run in autocommit: a cancelled one was rolled back (a release, one
+#: statement, did not happen at all).
+CANCELLED_FOR_CONTENTION = frozenset({"55P03", "57014", "40P01", "40001"})
 
 
 def sqlstate(exc: BaseException) -> str | None:
