@@ -68,9 +68,10 @@ class LeaseStoreError(LeaseError):
         refused: True when the store refused the connection (nothing listens there: it is
             down or the address is wrong) before anything of the operation was sent, so the
             operation did not happen.
-        transient: True when the store answered that it cancelled the operation's statement
-            for contention (PostgreSQL: a lock or statement timeout, a deadlock, a
-            serialization failure) and rolled it back: sent again, it may succeed.
+        transient: True when the store cancelled a statement of the operation for
+            contention (PostgreSQL: a lock or statement timeout, a deadlock, a serialization
+            failure) and rolled that statement back. An operation of one statement, such as
+            a release, then did not happen, and sent again it may succeed.
     """
 
     def __init__(self, message: str = "", refused: bool = False, transient: bool = False) -> None:

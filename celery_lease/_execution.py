@@ -42,6 +42,10 @@ _NO_EXTRA: dict[str, Any] = {}
 #: Pauses before a release the store cancelled for contention (a lock or statement timeout, a
 #: deadlock: rolled back, so safe to send again) is sent again, one per try (seconds).
 RELEASE_RETRY_PAUSES = (0.05, 0.2, 0.5)
+#: No try is sent again once this long (seconds) has passed since the first was sent: each try
+#: may wait the whole store call timeout (5/12 of the ttl; 25 s at the default ttl, where a
+#: lock waited on that long is not contention a second try gets past).
+RELEASE_RETRY_BUDGET = 2.0
 #: The series every release counts (looked up once, not per task).
 _RELEASED = events.Recorder(
     metrics.Series("c", "celery_lease_releases_total"),
@@ -240,10 +244,12 @@ def _send_release(
     lease: Lease, outcome: str, recorded: str | None, meanwhile: dict[str, Any]
 ) -> bool:
     """The store's release of ``lease``, sent again after a short pause (up to
-    ``RELEASE_RETRY_PAUSES``) when the store cancelled it for contention and rolled it back
+    ``RELEASE_RETRY_PAUSES``, while ``RELEASE_RETRY_BUDGET`` has not passed since the first
+    try) when the store cancelled it for contention and rolled it back
     (``LeaseStoreError.transient``): given up at once, a finished body's ``done`` would never
     be recorded, and a later delivery of the task would run as a takeover."""
     assert lease.store is not None
+    started = _clock.monotonic()
     for pause in (*RELEASE_RETRY_PAUSES, None):
         try:
             return lease.store.release(
@@ -253,7 +259,11 @@ def _send_release(
                 **meanwhile,
             )
         except LeaseStoreError as exc:
-            if pause is None or not exc.transient:
+            if (
+                pause is None
+                or not getattr(exc, "transient", False)  # (a third party's may lack it)
+                or _clock.monotonic() - started + pause >= RELEASE_RETRY_BUDGET
+            ):
                 raise
             log.info("release of %r sent again in %gs: %s", lease, pause, exc)
             meanwhile = _NO_EXTRA  # (an early wake went out with the first try)
