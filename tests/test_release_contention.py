@@ -13,7 +13,7 @@ failure did not happen (autocommit: it rolled back), so trying it again is safe;
 such errors ``LeaseStoreError.transient`` and the release is sent again a few times.
 
 Here a second session holds the identity row's lock while the body ends, so the release waits
-on it until its lock timeout (0.3 s) cancels it; once that first try is over, the session lets
+on it until its lock timeout (1 s here) cancels it; once that first try is over, the session lets
 go. Before the change the identity stayed ``running``; now the next try records ``done``.
 """
 
@@ -29,6 +29,7 @@ from celery import Celery
 from celery_lease import current_lease, lease_task
 from celery_lease._app import get_store
 from celery_lease._codec import decode
+from celery_lease.stores import store_from_url
 from tests.conftest import unique
 
 pytestmark = pytest.mark.postgres
@@ -42,11 +43,14 @@ def _libpq(url: str) -> str:
 def pg_app(postgres_server):
     app = Celery(unique("app"), broker="memory://", backend="cache+memory://")
     prefix = f"{unique('rc')}_"
+    # The tables are made with the default timeouts (DDL under a loaded CI may take a while);
+    # the app's store then cancels a statement (and a lock wait) after 1 s.
+    store_from_url(postgres_server.url, table_prefix=prefix).close()
     app.conf.update(
         lease_store_url=postgres_server.url,
         lease_table_prefix=prefix,
         lease_ttl=5,
-        lease_store_options={"statement_timeout": 0.3},
+        lease_store_options={"statement_timeout": 1.0},
     )
     yield app, prefix, _libpq(postgres_server.url)
     get_store(app).close()
