@@ -90,6 +90,7 @@ class TestRestartWithAof:
         issued: dict[str, list[int]] = defaultdict(list)
         held: dict[str, Lease] = {}
         survived = lost = 0
+        clean = ("taken_over", "released") + (("store_reset",) if appendfsync != "always" else ())
         try:
             for round_no in range(ROUNDS):
                 for i, resource in enumerate(resources):
@@ -116,12 +117,14 @@ class TestRestartWithAof:
                 for resource, lease in list(held.items()):
                     with pytest.raises(LeaseLostError) as caught:
                         store.renew(forged(lease))
-                    assert caught.value.reason in ("taken_over", "released")
+                    # (everysec: the shard may have lost its data, epoch and all: a write
+                    # postponed behind a slow fsync under load; the owner is told store_reset)
+                    assert caught.value.reason in clean
                     try:
                         store.renew(lease)
                     except LeaseLostError:
                         assert appendfsync != "always", f"{resource} lost under fsync always"
-                        assert lease.lost is not None and lease.lost.reason == "released"
+                        assert lease.lost is not None and lease.lost.reason in clean
                         assert store.get(resource) is None
                         del held[resource]
                         lost += 1

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import redis
@@ -47,9 +48,15 @@ def node(worker) -> str:
 
 
 def queues_of(app, worker) -> set[str]:
-    """The queues ``worker`` consumes now (its answer to ``inspect active_queues``)."""
-    replies = app.app.control.inspect(destination=[node(worker)], timeout=5).active_queues() or {}
-    return {q["name"] for q in replies.get(node(worker), [])}
+    """The queues ``worker`` consumes now (its answer to ``inspect active_queues``), asked
+    again while it does not answer (a loaded CI box once left a 5 s inspect unanswered)."""
+    deadline = time.monotonic() + 60
+    while True:
+        inspect = app.app.control.inspect(destination=[node(worker)], timeout=5)
+        replies = inspect.active_queues() or {}
+        if node(worker) in replies:
+            return {q["name"] for q in replies[node(worker)]}
+        assert time.monotonic() < deadline, f"{node(worker)} never answered active_queues"
 
 
 def _entered(events, n, k):
