@@ -21,7 +21,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
@@ -50,13 +49,14 @@ def node(worker) -> str:
 def queues_of(app, worker) -> set[str]:
     """The queues ``worker`` consumes now (its answer to ``inspect active_queues``), asked
     again while it does not answer (a loaded CI box once left a 5 s inspect unanswered)."""
-    deadline = time.monotonic() + 60
-    while True:
-        inspect = app.app.control.inspect(destination=[node(worker)], timeout=5)
-        replies = inspect.active_queues() or {}
-        if node(worker) in replies:
-            return {q["name"] for q in replies[node(worker)]}
-        assert time.monotonic() < deadline, f"{node(worker)} never answered active_queues"
+    name = node(worker)
+
+    def answer() -> tuple[list[dict]] | None:  # (a 1-tuple: an empty list is an answer too)
+        replies = app.app.control.inspect(destination=[name], timeout=5).active_queues() or {}
+        return (replies[name],) if name in replies else None
+
+    (queues,) = wait_for(answer, 60, f"{name} to answer inspect active_queues")
+    return {q["name"] for q in queues}
 
 
 def _entered(events, n, k):
